@@ -1,0 +1,294 @@
+"""``flotilla <command>``: server, client, job, demo. Errors map to exit codes, not tracebacks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError
+
+EXIT_CODES: dict[type[FlotillaError], int] = {SpecError: 2, AuthError: 3, NotFoundError: 4}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    try:
+        return handler(args)
+    except FlotillaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return next((c for t, c in EXIT_CODES.items() if isinstance(exc, t)), 1)
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flotilla", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    _server_parser(commands)
+    _client_parser(commands)
+    _job_parser(commands)
+    demo = commands.add_parser("demo", help="a real local federation: server, 8 agents, 2 jobs")
+    demo.add_argument("--agents", type=int, default=8)
+    demo.add_argument("--rounds", type=int, default=20)
+    demo.add_argument("--jobs", type=int, default=2)
+    demo.add_argument("--state-dir", type=Path, default=None, help="keep state here")
+    demo.add_argument("--json", action="store_true", help="print the results as JSON")
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    """Run until done or SIGINT/SIGTERM, which cancel the main task so it can clean up."""
+
+    async def wrapper() -> int:
+        task = asyncio.ensure_future(coro)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return 0
+
+    return asyncio.run(wrapper())
+
+
+# --- server ----------------------------------------------------------------------------
+
+
+def _server_parser(commands: Any) -> None:
+    server = commands.add_parser("server", help="run a federation server")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=7070, help="0 picks a free port")
+    server.add_argument("--state-dir", type=Path, default=Path("flotilla-state"))
+    server.add_argument("--db", default=None, help="database URL (default: SQLite in state dir)")
+    server.add_argument("--tls-cert", type=Path, default=None)
+    server.add_argument("--tls-key", type=Path, default=None)
+    server.add_argument("--liveness", type=float, default=30.0, help="seconds before a silent device is dropped")
+    server.set_defaults(handler=_serve)
+    sub = server.add_subparsers(title="server commands", metavar="SUBCOMMAND")
+    token = sub.add_parser("token", help="manage enrolment tokens")
+    token_sub = token.add_subparsers(title="token commands", metavar="ACTION")
+    create = token_sub.add_parser("create", help="mint an enrolment token (printed last)")
+    create.add_argument("--state-dir", type=Path, default=Path("flotilla-state"))
+    create.add_argument("--db", default=None, help="database URL (default: the server's)")
+    create.set_defaults(handler=_token_create)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from flotilla.core.timeouts import Timeouts
+    from flotilla.server.app import FederationServer, ServerConfig
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SpecError("--tls-cert and --tls-key go together")
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        state_dir=args.state_dir,
+        db_url=args.db,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        timeouts=Timeouts(liveness=args.liveness),
+    )
+
+    async def serve() -> int:
+        server = FederationServer(config)
+        port = await server.start()
+        print(f"flotilla server listening on {args.host}:{port}", flush=True)
+        try:
+            await server.wait()
+        finally:
+            await server.stop()
+        return 0
+
+    return _run(serve())
+
+
+def _token_create(args: argparse.Namespace) -> int:
+    from flotilla.server.tokens import create_enrol_token
+
+    print(asyncio.run(create_enrol_token(args.state_dir, args.db)))
+    return 0
+
+
+# --- client ----------------------------------------------------------------------------
+
+
+def _client_parser(commands: Any) -> None:
+    client = commands.add_parser("client", help="run a client agent on this device")
+    client.add_argument("--server", required=True, help="HOST:PORT")
+    client.add_argument("--token", required=True, help="enrolment token")
+    client.add_argument("--task", required=True, help="task entry point, package.module:Name")
+    client.add_argument("--shard", default="0/1", help="this device's shard, i/N")
+    client.add_argument("--data", type=Path, default=None, help="local data (tasks that read files)")
+    client.add_argument("--state-dir", type=Path, default=None, help="keeps the credential")
+    client.add_argument("--tls-ca", type=Path, default=None)
+    client.set_defaults(handler=_client)
+
+
+def _client(args: argparse.Namespace) -> int:
+    from flotilla.client import Agent, AgentConfig, LocalTrainer
+    from flotilla.tasks import Shard, load_task
+
+    try:
+        shard = Shard.parse(args.shard)
+    except ValueError as exc:
+        raise SpecError(f"--shard: {exc}") from exc
+    load_task(args.task)  # fail now, not at the first round
+    trainer = LocalTrainer(args.task, shard, data_path=args.data)
+    config = AgentConfig(
+        server=args.server,
+        token=args.token,
+        trainer=trainer,
+        state_dir=args.state_dir,
+        tls_ca=args.tls_ca,
+    )
+
+    async def run() -> int:
+        await Agent(config).run()
+        return 0
+
+    return _run(run())
+
+
+# --- jobs ------------------------------------------------------------------------------
+
+
+def _job_parser(commands: Any) -> None:
+    job = commands.add_parser("job", help="submit and inspect jobs on a server")
+    sub = job.add_subparsers(title="job commands", metavar="ACTION")
+
+    def add(name: str, help_text: str, handler: Callable[[argparse.Namespace], int]) -> Any:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--server", default="127.0.0.1:7070", help="HOST:PORT")
+        p.add_argument("--state-dir", type=Path, default=None, help="reads operator.token here")
+        p.add_argument("--token", default=None, help="operator token")
+        p.add_argument("--tls-ca", type=Path, default=None)
+        p.set_defaults(handler=handler)
+        return p
+
+    submit = add("submit", "submit a job spec (prints the job id last)", _job_submit)
+    submit.add_argument("spec", type=Path)
+    submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    listing = add("list", "list jobs", _job_list)
+    listing.add_argument("--json", action="store_true")
+    status = add("status", "one job's state and metrics", _job_status)
+    status.add_argument("job_id")
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--rounds", action="store_true", help="include every round")
+    cancel = add("cancel", "cancel a job", _job_cancel)
+    cancel.add_argument("job_id")
+    export = add("export", "download a job's latest model as safetensors", _job_export)
+    export.add_argument("job_id")
+    export.add_argument("--out", type=Path, required=True)
+
+
+def _remote(args: argparse.Namespace) -> Any:
+    from flotilla.server.remote import RemoteServer, operator_token
+
+    return RemoteServer(args.server, operator_token(args.state_dir, args.token), args.tls_ca)
+
+
+def _job_submit(args: argparse.Namespace) -> int:
+    from flotilla.core.spec import JobSpec
+
+    spec = JobSpec.load(args.spec, args.set)
+
+    async def go() -> int:
+        async with _remote(args) as remote:
+            info = await remote.submit(spec)
+        print(f"submitted {info.name}")
+        print(info.id)
+        return 0
+
+    return asyncio.run(go())
+
+
+def _job_list(args: argparse.Namespace) -> int:
+    from flotilla.server.remote import job_json
+
+    async def go() -> int:
+        async with _remote(args) as remote:
+            jobs = [job_json(j) for j in await remote.jobs()]
+        if args.json:
+            print(json.dumps(jobs, indent=2))
+            return 0
+        print(f"{'ID':16} {'NAME':16} {'STATE':10} {'ROUNDS':>9} {'ACCURACY':>9}")
+        for j in jobs:
+            acc = j["metrics"].get("accuracy")
+            rounds = f"{j['rounds_committed']}/{j['rounds_total']}"
+            acc_text = f"{acc:.4f}" if acc is not None else "-"
+            print(f"{j['id']:16} {j['name'][:16]:16} {j['state']:10} {rounds:>9} {acc_text:>9}")
+        return 0
+
+    return asyncio.run(go())
+
+
+def _job_status(args: argparse.Namespace) -> int:
+    from flotilla.server.remote import job_json
+
+    async def go() -> int:
+        async with _remote(args) as remote:
+            info = job_json(await remote.job(args.job_id, args.rounds), args.rounds)
+        if args.json:
+            print(json.dumps(info, indent=2))
+            return 0
+        print(f"{info['id']}  {info['name']}  {info['state']}")
+        print(f"rounds {info['rounds_committed']}/{info['rounds_total']}  task {info['task']}")
+        for key, value in sorted(info["metrics"].items()):
+            print(f"  {key:12} {value:.4f}")
+        for r in info.get("rounds", []):
+            metrics = " ".join(f"{k}={v:.4f}" for k, v in sorted(r["metrics"].items()))
+            print(f"  round {r['round']:>4}  {len(r['participants'])} devices  {metrics}")
+        return 0
+
+    return asyncio.run(go())
+
+
+def _job_cancel(args: argparse.Namespace) -> int:
+    async def go() -> int:
+        async with _remote(args) as remote:
+            info = await remote.cancel(args.job_id)
+        print(f"{info.id} {info.state}")
+        return 0
+
+    return asyncio.run(go())
+
+
+def _job_export(args: argparse.Namespace) -> int:
+    async def go() -> int:
+        async with _remote(args) as remote:
+            data = await remote.export(args.job_id)
+        args.out.write_bytes(data)
+        print(f"wrote {len(data)} bytes to {args.out}")
+        return 0
+
+    return asyncio.run(go())
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from flotilla.demo import run_demo
+
+    return run_demo(args.agents, args.rounds, args.jobs, args.state_dir, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

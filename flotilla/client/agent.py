@@ -1,0 +1,285 @@
+"""The client agent: enrol, poll for rounds, train locally, upload the update, repeat.
+
+It survives a server that goes away (capped, jittered backoff, then picks up where the new
+server is), and leaves cleanly on Ctrl-C by telling the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from flotilla.client.channel import RETRYABLE, Backoff, DeviceCredential, open_channel
+from flotilla.client.profile import matmul_gflops, memory_bytes
+from flotilla.client.training import LocalTrainer, TrainOutcome
+from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
+from flotilla.core.errors import AuthError, FlotillaError
+from flotilla.core.timeouts import Timeouts
+from flotilla.proto import flotilla_pb2 as pb
+from flotilla.proto import flotilla_pb2_grpc as pb_grpc
+from flotilla.core.files import write_private
+from flotilla.proto import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+
+CREDENTIAL_FILE = "credential.json"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    server: str
+    token: str
+    trainer: LocalTrainer
+    state_dir: Path | None = None
+    tls_ca: Path | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    speed_test_bytes: int = 2 * 1024 * 1024
+    backoff_cap_s: float = 5.0
+    max_model_bytes: int = 2**32
+
+
+class Agent:
+    """One device's agent. ``run`` returns only when cancelled or refused."""
+
+    def __init__(self, config: AgentConfig, rng: random.Random | None = None) -> None:
+        self.config = config
+        self._rng = rng or random.Random()
+        self._backoff = Backoff(self._rng, cap_s=config.backoff_cap_s)
+        self._credential: DeviceCredential | None = None
+        self._model: tuple[str, bytes] | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.AgentStub
+        self._pending_profile: pb.DeviceProfile | None = None
+        self.rounds_done = 0
+
+    @property
+    def device_id(self) -> str | None:
+        return self._credential.device_id if self._credential else None
+
+    async def run(self) -> None:
+        self._channel = open_channel(self.config.server, self.config.tls_ca)
+        self._stub = pb_grpc.AgentStub(self._channel)
+        try:
+            await self._connect()
+            while True:
+                await self._step()
+        finally:
+            await self._leave()
+
+    async def _connect(self) -> None:
+        """Enrol (or reuse a saved credential) and measure the upload rate."""
+        self._credential = self._load_credential()
+        profile = await asyncio.to_thread(self._profile)
+        while self._credential is None:
+            try:
+                self._credential = await self._enrol(profile)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE:
+                    raise
+                await self._pause(f"server unreachable ({exc.code().name})")
+        self._backoff.reset()
+        profile.upload_bytes_per_s = await self._speed_test()
+        self._pending_profile = profile
+
+    def _profile(self) -> pb.DeviceProfile:
+        return pb.DeviceProfile(
+            tasks=[self.config.trainer.task_name],
+            gflops=matmul_gflops(),
+            memory_bytes=memory_bytes(),
+        )
+
+    async def _enrol(self, profile: pb.DeviceProfile) -> DeviceCredential:
+        try:
+            reply = await self._stub.Enrol(
+                pb.EnrolRequest(
+                    protocol_version=PROTOCOL_VERSION, token=self.config.token, profile=profile
+                ),
+                timeout=self.config.timeouts.enrol,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise AuthError(f"the server refused the enrolment token: {exc.details()}") from exc
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FlotillaError(exc.details() or "enrolment refused") from exc
+            raise
+        credential = DeviceCredential(reply.device_id, reply.credential)
+        self._save_credential(credential)
+        log.info("enrolled as %s", credential.device_id)
+        return credential
+
+    def _load_credential(self) -> DeviceCredential | None:
+        if self.config.state_dir is None:
+            return None
+        path = self.config.state_dir / CREDENTIAL_FILE
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        if data.get("server") != self.config.server:
+            return None
+        return DeviceCredential(data["device_id"], data["secret"])
+
+    def _save_credential(self, credential: DeviceCredential) -> None:
+        if self.config.state_dir is None:
+            return
+        self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        record = {
+            "server": self.config.server,
+            "device_id": credential.device_id,
+            "secret": credential.secret,
+        }
+        write_private(self.config.state_dir / CREDENTIAL_FILE, json.dumps(record))
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        assert self._credential is not None
+        return self._credential.metadata()
+
+    async def _speed_test(self) -> float:
+        payload = bytes(min(self.config.speed_test_bytes, 1024 * 1024))
+        rounds = max(1, self.config.speed_test_bytes // len(payload))
+
+        async def chunks() -> AsyncIterator[pb.SpeedChunk]:
+            for _ in range(rounds):
+                yield pb.SpeedChunk(data=payload)
+
+        start = time.perf_counter()
+        try:
+            reply = await self._stub.SpeedTest(
+                chunks(), metadata=self._metadata(), timeout=self.config.timeouts.transfer
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("speed test failed (%s); reporting no upload rate", exc.code().name)
+            return 0.0
+        return reply.bytes / max(time.perf_counter() - start, 1e-6)
+
+    async def _pause(self, why: str) -> None:
+        delay = self._backoff.next_delay()
+        log.info("%s; retrying in %.1fs", why, delay)
+        await asyncio.sleep(delay)
+
+    async def _step(self) -> None:
+        """One poll and, if it brings work, one round of it."""
+        try:
+            task = await self._poll()
+            if task is not None:
+                await self._work(task)
+            self._backoff.reset()
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                log.warning("credential refused (%s); enrolling again", exc.details())
+                self._credential = None
+                self._forget_credential()
+                await self._connect()
+            elif code in RETRYABLE:
+                await self._pause(f"server unreachable ({code.name})")
+            else:
+                log.warning("round refused: %s %s", code.name, exc.details())
+        except FlotillaError as exc:
+            log.error("round failed on this device: %s", exc)
+            await self._pause("after a failed round")
+
+    def _forget_credential(self) -> None:
+        if self.config.state_dir is not None:
+            (self.config.state_dir / CREDENTIAL_FILE).unlink(missing_ok=True)
+
+    async def _poll(self) -> pb.TrainTask | None:
+        request = pb.PollRequest()
+        if self._pending_profile is not None:
+            request.profile.CopyFrom(self._pending_profile)
+        reply = await self._stub.Poll(
+            request, metadata=self._metadata(), timeout=self.config.timeouts.poll
+        )
+        self._pending_profile = None
+        return reply.task if reply.HasField("task") else None
+
+    async def _work(self, task: pb.TrainTask) -> None:
+        model = await self._fetch(task)
+        round_open = asyncio.Event()
+        round_open.set()
+        beat = asyncio.ensure_future(self._heartbeat(task.round_token, round_open))
+        try:
+            outcome = await asyncio.to_thread(self.config.trainer.train, model, task)
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await beat
+        if not round_open.is_set():
+            log.info("round %d of %s closed while training; not uploading", task.round, task.job_id)
+            return
+        await self._submit(task, outcome)
+        self.rounds_done += 1
+
+    async def _heartbeat(self, round_token: str, round_open: asyncio.Event) -> None:
+        while True:
+            await asyncio.sleep(self.config.timeouts.heartbeat_every)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                reply = await self._stub.Heartbeat(
+                    pb.HeartbeatRequest(round_token=round_token),
+                    metadata=self._metadata(),
+                    timeout=self.config.timeouts.heartbeat,
+                )
+                if not reply.round_open:
+                    round_open.clear()
+                    return
+
+    async def _fetch(self, task: pb.TrainTask) -> bytes:
+        if self._model is not None and self._model[0] == task.model_sha256:
+            return self._model[1]
+        if task.model_size > self.config.max_model_bytes:
+            raise FlotillaError(f"model of {task.model_size} bytes is over this device's limit")
+        assembler = BlobAssembler(task.model_size, task.model_sha256, self.config.max_model_bytes)
+        call = self._stub.FetchModel(
+            pb.FetchModelRequest(job_id=task.job_id, sha256=task.model_sha256),
+            metadata=self._metadata(),
+            timeout=self.config.timeouts.transfer,
+        )
+        async for chunk in call:
+            assembler.add(chunk.data, chunk.offset)
+        data = bytes(assembler.finish())
+        self._model = (task.model_sha256, data)
+        return data
+
+    async def _submit(self, task: pb.TrainTask, outcome: TrainOutcome) -> None:
+        header = pb.UpdateHeader(
+            job_id=task.job_id,
+            round=task.round,
+            round_token=task.round_token,
+            num_samples=outcome.num_samples,
+            metrics=outcome.metrics,
+            payload_size=len(outcome.payload),
+            payload_sha256=sha256_hex(outcome.payload),
+            codec="safetensors",
+        )
+
+        async def chunks() -> AsyncIterator[pb.UpdateChunk]:
+            yield pb.UpdateChunk(header=header)
+            for piece in iter_chunks(outcome.payload):
+                yield pb.UpdateChunk(data=bytes(piece))
+
+        reply = await self._stub.SubmitUpdate(
+            chunks(), metadata=self._metadata(), timeout=self.config.timeouts.transfer
+        )
+        log.info("round %d of %s: %s", task.round, task.job_id, reply.detail)
+
+    async def _leave(self) -> None:
+        if self._channel is None:
+            return
+        if self._credential is not None:
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+                await self._stub.Leave(
+                    pb.LeaveRequest(reason="agent stopped"),
+                    metadata=self._metadata(),
+                    timeout=2.0,
+                )
+        await self._channel.close()
+        self._channel = None
+

@@ -1,0 +1,83 @@
+"""Shared types every other part speaks. Imports nothing else of Flotilla, and no torch.
+
+- ``errors``: the :class:`FlotillaError` tree.
+- ``spec``: :class:`JobSpec` from TOML, unknown fields refused by name.
+- ``tensors``: model states and the safe safetensors wire format.
+- ``blobs``: chunking and SHA-256 checking of blobs in transit.
+- ``update``: :class:`Update`, one device's contribution to a round.
+- ``device``: :class:`DeviceProfile`.
+- ``records``: the durable rows (jobs, rounds, participations, devices).
+- ``timeouts``: :class:`Timeouts`, every network deadline in one place.
+- ``files``: private files for secrets.
+"""
+
+from flotilla.core.blobs import CHUNK_BYTES, BlobAssembler, iter_chunks, sha256_hex
+from flotilla.core.device import DeviceProfile
+from flotilla.core.errors import (
+    AuthError,
+    FlotillaError,
+    IntegrityError,
+    NotFoundError,
+    SpecError,
+    StaleRoundError,
+    TaskLoadError,
+    UpdateRejected,
+    WireError,
+)
+from flotilla.core.records import (
+    JOB_STATES,
+    TERMINAL_STATES,
+    DeviceRecord,
+    JobRecord,
+    ParticipationRecord,
+    RoundCommit,
+    RoundRecord,
+)
+from flotilla.core.spec import JobSpec
+from flotilla.core.tensors import (
+    ModelState,
+    TensorSpec,
+    check_finite,
+    check_layout,
+    decode_state,
+    encode_state,
+    state_nbytes,
+    state_spec,
+)
+from flotilla.core.timeouts import Timeouts
+from flotilla.core.update import Update
+
+__all__ = [
+    "CHUNK_BYTES",
+    "JOB_STATES",
+    "TERMINAL_STATES",
+    "AuthError",
+    "BlobAssembler",
+    "DeviceProfile",
+    "DeviceRecord",
+    "FlotillaError",
+    "IntegrityError",
+    "JobRecord",
+    "JobSpec",
+    "ModelState",
+    "NotFoundError",
+    "ParticipationRecord",
+    "RoundCommit",
+    "RoundRecord",
+    "SpecError",
+    "StaleRoundError",
+    "TaskLoadError",
+    "TensorSpec",
+    "Timeouts",
+    "Update",
+    "UpdateRejected",
+    "WireError",
+    "check_finite",
+    "check_layout",
+    "decode_state",
+    "encode_state",
+    "iter_chunks",
+    "sha256_hex",
+    "state_nbytes",
+    "state_spec",
+]

@@ -1,0 +1,24 @@
+"""What the server knows about a device's capacity."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceProfile:
+    """Measured by the agent at enrolment; selectors use it to predict round times."""
+
+    device_id: str
+    tasks: tuple[str, ...] = ()
+    gflops: float = 0.0
+    memory_bytes: int = 0
+    upload_bytes_per_s: float = 0.0
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+    def numbers(self) -> dict[str, float]:
+        """The measured numbers as a flat mapping, for storage and selectors."""
+        out = {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float))}
+        out.update({k: float(v) for k, v in self.extra.items()})
+        return out

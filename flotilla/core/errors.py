@@ -1,0 +1,57 @@
+"""One exception tree for the whole platform.
+
+::
+
+    FlotillaError
+    ├── SpecError            a job spec or experiment file is wrong (names the field)
+    ├── WireError            bytes from the network are malformed, oversized or unsafe
+    │   └── IntegrityError   a blob's SHA-256 does not match
+    ├── UpdateRejected       a well-formed update that must not be aggregated
+    │   └── StaleRoundError  the update is for a round that is no longer open
+    ├── AuthError            missing or wrong credentials
+    ├── NotFoundError        an unknown job, device or blob
+    └── TaskLoadError        a task entry point cannot be imported
+
+Transports map these to their own status codes at the edge; the CLI maps them to exit codes.
+"""
+
+from __future__ import annotations
+
+
+class FlotillaError(Exception):
+    """Root of every error Flotilla raises on purpose."""
+
+
+class SpecError(FlotillaError, ValueError):
+    """A spec file or override is invalid; the message names the field and the file."""
+
+
+class WireError(FlotillaError, ValueError):
+    """Bytes that came over a network are malformed, oversized or not allowed."""
+
+
+class IntegrityError(WireError):
+    """A blob's content does not match its declared SHA-256 or size."""
+
+
+class UpdateRejected(FlotillaError):
+    """An update that decodes but must not reach the aggregator (shape, NaN, norm...)."""
+
+
+class StaleRoundError(UpdateRejected):
+    """An update for a round that has closed or never opened for this device."""
+
+
+class AuthError(FlotillaError):
+    """Missing, malformed or wrong credentials."""
+
+
+class NotFoundError(FlotillaError, KeyError):
+    """An unknown job, device, round or blob."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "not found"
+
+
+class TaskLoadError(FlotillaError, ImportError):
+    """A task entry point (``package.module:Name``) cannot be loaded."""

@@ -1,0 +1,232 @@
+"""Job specs: TOML files mapped onto frozen dataclasses, every field defaulted and checked.
+
+Unknown or ill-typed fields raise :class:`SpecError` naming the field and the file, so a
+typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import types
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+from flotilla.core.errors import SpecError
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobSection:
+    """What to train and for how long."""
+
+    name: str = "job"
+    #: Task entry point installed on the agents (and optionally the server).
+    task: str = "flotilla.tasks.digits:DigitsTask"
+    #: Rounds to commit before the job completes.
+    rounds: int = 20
+    #: Updates a round waits for before it closes (k).
+    clients_per_round: int = 4
+    #: Devices selected per round = ceil(k * over_selection), capped by what is idle.
+    over_selection: float = 1.0
+    #: Fewest accepted updates with which a round may still commit at its deadline.
+    min_quorum: int = 2
+    #: Seconds a round stays open before it closes with what it has.
+    round_deadline_s: float = 60.0
+    #: Seed for the server-side RNG (selection) and the model initialisation.
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainSection:
+    """Local training on each device."""
+
+    local_epochs: int = 1
+    batch_size: int = 32
+    learning_rate: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DataSection:
+    """How the task's data is split across devices (non-IID label skew)."""
+
+    #: Dirichlet concentration of label skew; small is more skewed.
+    alpha: float = 0.5
+    #: Seed of the partition, shared by every agent so shards are disjoint.
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AggregationSection:
+    """How accepted updates become the next global model."""
+
+    #: ``fedavg``: sample-weighted mean of the updates.
+    strategy: str = "fedavg"
+    #: Server learning rate applied to the averaged update.
+    server_lr: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A whole federated job, as submitted."""
+
+    job: JobSection = dataclasses.field(default_factory=JobSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    aggregation: AggregationSection = dataclasses.field(default_factory=AggregationSection)
+
+    def __post_init__(self) -> None:
+        _check_job(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "<spec>") -> JobSpec:
+        return build_dataclass(cls, data, source)
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
+        """Read a TOML file and apply ``section.field=value`` overrides."""
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise SpecError(f"{path}: no such file") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise SpecError(f"{path}: not valid TOML: {exc}") from exc
+        for item in overrides:
+            apply_override(data, item, str(path))
+        return cls.from_dict(data, str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<json>") -> JobSpec:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"{source}: not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise SpecError(f"{source}: a job spec must be a table")
+        return cls.from_dict(data, source)
+
+
+def _check_job(spec: JobSpec) -> None:
+    job, train = spec.job, spec.train
+    positive = {
+        "job.rounds": job.rounds,
+        "job.clients_per_round": job.clients_per_round,
+        "job.min_quorum": job.min_quorum,
+        "job.round_deadline_s": job.round_deadline_s,
+        "train.local_epochs": train.local_epochs,
+        "train.batch_size": train.batch_size,
+        "train.learning_rate": train.learning_rate,
+        "data.alpha": spec.data.alpha,
+        "aggregation.server_lr": spec.aggregation.server_lr,
+    }
+    for name, value in positive.items():
+        if not value > 0 or not math.isfinite(value):
+            raise SpecError(f"{name} must be a finite number > 0, got {value!r}")
+    if job.over_selection < 1.0 or not math.isfinite(job.over_selection):
+        raise SpecError(f"job.over_selection must be >= 1.0, got {job.over_selection!r}")
+    if job.min_quorum > job.clients_per_round:
+        raise SpecError(
+            f"job.min_quorum ({job.min_quorum}) exceeds job.clients_per_round "
+            f"({job.clients_per_round})"
+        )
+    if ":" not in job.task:
+        raise SpecError(f"job.task must look like 'package.module:Name', got {job.task!r}")
+    if spec.aggregation.strategy != "fedavg":
+        raise SpecError(f"aggregation.strategy: unknown strategy {spec.aggregation.strategy!r}")
+
+
+def apply_override(data: dict[str, Any], item: str, source: str = "<overrides>") -> None:
+    """Apply one ``a.b=value`` override; the value is read as TOML, else as a string."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise SpecError(f"{source}: override {item!r} must look like section.field=value")
+    parts = [p.strip() for p in key.strip().split(".")]
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise SpecError(f"{source}: override {key!r}: {part!r} is not a table")
+        node = child
+    node[parts[-1]] = value
+
+
+def build_dataclass(cls: type[T], data: Mapping[str, Any], source: str, prefix: str = "") -> T:
+    """Build a (nested) dataclass from plain data, refusing unknown and ill-typed fields."""
+    if not isinstance(data, Mapping):
+        where = prefix.rstrip(".") or "the top level"
+        raise SpecError(f"{source}: {where} must be a table, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise SpecError(f"{source}: unknown field '{prefix}{key}' (known: {known})")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, source, f"{prefix}{name}")
+    try:
+        return cls(**kwargs)
+    except SpecError as exc:
+        raise SpecError(f"{source}: {exc}") from exc
+
+
+def _coerce(hint: Any, value: Any, source: str, field: str) -> Any:
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return build_dataclass(hint, value, source, f"{field}.")
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, source, field)
+            except SpecError:
+                continue
+        raise SpecError(f"{source}: field '{field}' has the wrong type ({value!r})")
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise SpecError(f"{source}: field '{field}' must be a list, got {value!r}")
+        (item,) = get_args(hint)[:1] or (Any,)
+        return tuple(_coerce(item, v, source, f"{field}[{i}]") for i, v in enumerate(value))
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(f"{source}: field '{field}' must be a number, got {value!r}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(f"{source}: field '{field}' must be an integer, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise SpecError(f"{source}: field '{field}' must be true or false, got {value!r}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise SpecError(f"{source}: field '{field}' must be a string, got {value!r}")
+        return value
+    return value

@@ -1,0 +1,21 @@
+"""An update from one device for one round, after it has been decoded and checked."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from flotilla.core.tensors import ModelState
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """A device's contribution to a round: the change it proposes to the global model."""
+
+    job_id: str
+    round: int
+    device_id: str
+    num_samples: int
+    #: Local model minus the round's global model, per tensor.
+    delta: ModelState
+    metrics: Mapping[str, float] = field(default_factory=dict)

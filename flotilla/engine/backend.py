@@ -1,0 +1,64 @@
+"""The seam between the round engine and whatever runs the training: real or virtual devices."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from flotilla.core.tensors import TensorSpec
+from flotilla.core.update import Update
+
+
+@dataclass(frozen=True, slots=True)
+class TrainTask:
+    """One round's work order, the same for every device selected for it."""
+
+    job_id: str
+    round: int
+    #: Unique per attempt at a round, so updates from an earlier attempt are stale.
+    round_token: str
+    task: str
+    #: The job spec's train and data sections, as JSON.
+    config_json: str
+    model_sha256: str
+    model_size: int
+    deadline: float
+    seed: int
+    #: What every update must look like: the model's tensor names, dtypes and shapes.
+    layout: tuple[TensorSpec, ...] = ()
+
+
+def _accept_silently(reason: str | None) -> None:
+    """Default settle hook for backends whose senders need no answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """A decoded, well-formed update. ``settle(None)`` accepts it, ``settle(why)`` refuses it."""
+
+    update: Update
+    #: Seconds from dispatch to arrival.
+    elapsed_s: float
+    settle: Callable[[str | None], None] = _accept_silently
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A selected device that will deliver nothing for this round."""
+
+    device_id: str
+    reason: str
+
+
+RoundResult = Delivered | Failed
+
+
+class Backend(Protocol):
+    """Runs a round's task on devices and streams back their results as they arrive.
+
+    The engine stops iterating when it has enough updates or the deadline passes, then
+    closes the iterator; from then on the backend must refuse the round's late updates.
+    """
+
+    def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> AsyncIterator[RoundResult]: ...

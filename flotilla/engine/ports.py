@@ -1,0 +1,32 @@
+"""What the engine needs from persistence, blob storage and evaluation, as small protocols."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from flotilla.core.records import JobRecord, RoundCommit
+
+#: Evaluates a global model on held-out data; None when the server cannot run the task.
+Evaluator = Callable[[Mapping[str, np.ndarray]], dict[str, float]]
+
+
+class Ledger(Protocol):
+    """Durable record of jobs and their committed rounds."""
+
+    async def commit_round(self, commit: RoundCommit) -> JobRecord: ...
+
+    async def set_job_state(self, job_id: str, state: str) -> JobRecord: ...
+
+
+class Blobs(Protocol):
+    """Content-addressed storage of model checkpoints."""
+
+    def put(self, data: bytes | bytearray | memoryview) -> str: ...
+
+    def get(self, sha256: str) -> bytes: ...
+
+    def path(self, sha256: str) -> Path: ...

@@ -1,0 +1,248 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DeviceProfile(_message.Message):
+    __slots__ = ("tasks", "gflops", "memory_bytes", "upload_bytes_per_s")
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    GFLOPS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    gflops: float
+    memory_bytes: int
+    upload_bytes_per_s: float
+    def __init__(self, tasks: _Optional[_Iterable[str]] = ..., gflops: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., upload_bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class EnrolRequest(_message.Message):
+    __slots__ = ("protocol_version", "token", "profile")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    token: str
+    profile: DeviceProfile
+    def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ...) -> None: ...
+
+class EnrolReply(_message.Message):
+    __slots__ = ("device_id", "credential", "protocol_version")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    credential: str
+    protocol_version: int
+    def __init__(self, device_id: _Optional[str] = ..., credential: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class SpeedChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class SpeedReply(_message.Message):
+    __slots__ = ("bytes", "seconds")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    seconds: float
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class PollRequest(_message.Message):
+    __slots__ = ("profile",)
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    profile: DeviceProfile
+    def __init__(self, profile: _Optional[_Union[DeviceProfile, _Mapping]] = ...) -> None: ...
+
+class TrainTask(_message.Message):
+    __slots__ = ("job_id", "round", "round_token", "task", "config_json", "model_sha256", "model_size", "deadline_unix", "seed")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    round_token: str
+    task: str
+    config_json: str
+    model_sha256: str
+    model_size: int
+    deadline_unix: float
+    seed: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., task: _Optional[str] = ..., config_json: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class PollReply(_message.Message):
+    __slots__ = ("task",)
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    task: TrainTask
+    def __init__(self, task: _Optional[_Union[TrainTask, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("round_token",)
+    ROUND_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    round_token: str
+    def __init__(self, round_token: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("round_open",)
+    ROUND_OPEN_FIELD_NUMBER: _ClassVar[int]
+    round_open: bool
+    def __init__(self, round_open: _Optional[bool] = ...) -> None: ...
+
+class FetchModelRequest(_message.Message):
+    __slots__ = ("job_id", "sha256")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    sha256: str
+    def __init__(self, job_id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class BlobChunk(_message.Message):
+    __slots__ = ("data", "offset", "total_size", "sha256")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    offset: int
+    total_size: int
+    sha256: str
+    def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ..., total_size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class UpdateHeader(_message.Message):
+    __slots__ = ("job_id", "round", "round_token", "num_samples", "metrics", "payload_size", "payload_sha256", "codec")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_SHA256_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    round_token: str
+    num_samples: int
+    metrics: _containers.ScalarMap[str, float]
+    payload_size: int
+    payload_sha256: str
+    codec: str
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., payload_size: _Optional[int] = ..., payload_sha256: _Optional[str] = ..., codec: _Optional[str] = ...) -> None: ...
+
+class UpdateChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ("accepted", "detail")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    detail: str
+    def __init__(self, accepted: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("spec_json",)
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    spec_json: str
+    def __init__(self, spec_json: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id", "with_rounds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WITH_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    with_rounds: bool
+    def __init__(self, job_id: _Optional[str] = ..., with_rounds: _Optional[bool] = ...) -> None: ...
+
+class RoundInfo(_message.Message):
+    __slots__ = ("round", "metrics", "participants", "started_at", "committed_at")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    metrics: _containers.ScalarMap[str, float]
+    participants: _containers.RepeatedScalarFieldContainer[str]
+    started_at: float
+    committed_at: float
+    def __init__(self, round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., participants: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., committed_at: _Optional[float] = ...) -> None: ...
+
+class JobInfo(_message.Message):
+    __slots__ = ("id", "name", "state", "rounds_committed", "rounds_total", "metrics", "rounds", "task", "created_at", "spec_json")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    state: str
+    rounds_committed: int
+    rounds_total: int
+    metrics: _containers.ScalarMap[str, float]
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundInfo]
+    task: str
+    created_at: float
+    spec_json: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., rounds_committed: _Optional[int] = ..., rounds_total: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., rounds: _Optional[_Iterable[_Union[RoundInfo, _Mapping]]] = ..., task: _Optional[str] = ..., created_at: _Optional[float] = ..., spec_json: _Optional[str] = ...) -> None: ...
+
+class ListJobsReply(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...

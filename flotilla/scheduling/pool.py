@@ -1,0 +1,92 @@
+"""The fleet as the scheduler sees it: who is online, idle, and able to run which task."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flotilla.core.device import DeviceProfile
+
+
+@dataclass(slots=True)
+class DeviceState:
+    profile: DeviceProfile
+    last_seen: float
+    online: bool = True
+    #: The job this device is serving, or None when idle.
+    busy_with: str | None = None
+
+
+@dataclass(slots=True)
+class DevicePool:
+    """Online devices and their occupancy; a device serves one job at a time.
+
+    Single-threaded by design (one asyncio loop owns it), so ``claim`` is atomic.
+    """
+
+    clock: Callable[[], float]
+    _devices: dict[str, DeviceState] = field(default_factory=dict)
+
+    def seen(self, profile: DeviceProfile) -> None:
+        """Record a sign of life, adding the device or refreshing its profile."""
+        state = self._devices.get(profile.device_id)
+        if state is None:
+            self._devices[profile.device_id] = DeviceState(profile, self.clock())
+        else:
+            state.profile = profile
+            state.last_seen = self.clock()
+            state.online = True
+
+    def touch(self, device_id: str) -> None:
+        state = self._devices.get(device_id)
+        if state is not None:
+            state.last_seen = self.clock()
+            state.online = True
+
+    def leave(self, device_id: str) -> None:
+        state = self._devices.get(device_id)
+        if state is not None:
+            state.online = False
+            state.busy_with = None
+
+    def expire(self, liveness_s: float) -> list[str]:
+        """Mark devices silent for longer than ``liveness_s`` offline and free them."""
+        now = self.clock()
+        gone = [
+            d for d, s in self._devices.items() if s.online and now - s.last_seen > liveness_s
+        ]
+        for device_id in gone:
+            self.leave(device_id)
+        return gone
+
+    def idle(self, task: str) -> list[DeviceProfile]:
+        """Online, idle devices that have ``task`` installed, in a stable order."""
+        return [
+            s.profile
+            for _, s in sorted(self._devices.items())
+            if s.online and s.busy_with is None and task in s.profile.tasks
+        ]
+
+    def claim(self, device_ids: list[str], job_id: str) -> None:
+        for device_id in device_ids:
+            state = self._devices[device_id]
+            if state.busy_with is not None or not state.online:
+                raise RuntimeError(f"device {device_id} is not idle")
+        for device_id in device_ids:
+            self._devices[device_id].busy_with = job_id
+
+    def release(self, device_id: str, job_id: str) -> None:
+        state = self._devices.get(device_id)
+        if state is not None and state.busy_with == job_id:
+            state.busy_with = None
+
+    def busy_with(self, device_id: str) -> str | None:
+        state = self._devices.get(device_id)
+        return None if state is None else state.busy_with
+
+    def is_online(self, device_id: str) -> bool:
+        state = self._devices.get(device_id)
+        return state is not None and state.online
+
+    def __len__(self) -> int:
+        return sum(1 for s in self._devices.values() if s.online)

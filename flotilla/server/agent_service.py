@@ -1,0 +1,170 @@
+"""gRPC handlers for agents: enrol, poll, heartbeat, fetch model, submit update, leave."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from flotilla.core.blobs import BlobAssembler
+from flotilla.core.device import DeviceProfile
+from flotilla.core.errors import AuthError, StaleRoundError, UpdateRejected, WireError
+from flotilla.core.records import DeviceRecord
+from flotilla.core.tensors import decode_state
+from flotilla.core.update import Update
+from flotilla.proto import PROTOCOL_VERSION
+from flotilla.proto import flotilla_pb2 as pb
+from flotilla.proto import flotilla_pb2_grpc as pb_grpc
+from flotilla.server import auth
+
+if TYPE_CHECKING:
+    from flotilla.server.app import FederationServer
+
+log = logging.getLogger(__name__)
+
+#: Room for a safetensors header beyond the raw tensor bytes of an update.
+HEADER_SLACK = 1024 * 1024
+
+
+def profile_from_pb(device_id: str, msg: pb.DeviceProfile) -> DeviceProfile:
+    return DeviceProfile(
+        device_id=device_id,
+        tasks=tuple(msg.tasks),
+        gflops=msg.gflops,
+        memory_bytes=msg.memory_bytes,
+        upload_bytes_per_s=msg.upload_bytes_per_s,
+    )
+
+
+class AgentService(pb_grpc.AgentServicer):
+    def __init__(self, server: FederationServer) -> None:
+        self.server = server
+
+    async def _device(self, context: grpc.aio.ServicerContext) -> DeviceRecord:
+        try:
+            return await self.server.authenticate_device(context.invocation_metadata())
+        except AuthError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            raise  # unreachable: abort raises
+
+    async def Enrol(self, request: pb.EnrolRequest, context: grpc.aio.ServicerContext) -> pb.EnrolReply:
+        if request.protocol_version != PROTOCOL_VERSION:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"protocol version {request.protocol_version} not supported; "
+                f"this server speaks {PROTOCOL_VERSION}",
+            )
+        try:
+            device_id, credential = await self.server.enrol(request.token, request.profile)
+        except AuthError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        return pb.EnrolReply(
+            device_id=device_id, credential=credential, protocol_version=PROTOCOL_VERSION
+        )
+
+    async def SpeedTest(
+        self, request_iterator: AsyncIterator[pb.SpeedChunk], context: grpc.aio.ServicerContext
+    ) -> pb.SpeedReply:
+        await self._device(context)
+        start = time.perf_counter()
+        total = 0
+        async for chunk in request_iterator:
+            total += len(chunk.data)
+            if total > self.server.config.speed_test_max_bytes:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "speed test too long")
+        return pb.SpeedReply(bytes=total, seconds=time.perf_counter() - start)
+
+    async def Poll(self, request: pb.PollRequest, context: grpc.aio.ServicerContext) -> pb.PollReply:
+        device = await self._device(context)
+        profile = request.profile if request.HasField("profile") else None
+        await self.server.device_seen(device, profile)
+        task = await self.server.gateway.poll(device.id, self.server.config.timeouts.poll_hold)
+        if task is None:
+            return pb.PollReply()
+        return pb.PollReply(
+            task=pb.TrainTask(
+                job_id=task.job_id,
+                round=task.round,
+                round_token=task.round_token,
+                task=task.task,
+                config_json=task.config_json,
+                model_sha256=task.model_sha256,
+                model_size=task.model_size,
+                deadline_unix=task.deadline,
+                seed=task.seed,
+            )
+        )
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatReply:
+        device = await self._device(context)
+        self.server.pool.touch(device.id)
+        return pb.HeartbeatReply(round_open=self.server.gateway.round_open(request.round_token))
+
+    async def FetchModel(
+        self, request: pb.FetchModelRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.BlobChunk]:
+        device = await self._device(context)
+        if not self.server.gateway.assigned_model(device.id, request.sha256):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "stale round: that model is not assigned to this device",
+            )
+        async for chunk in self.server.stream_blob(request.sha256):
+            yield chunk
+
+    async def SubmitUpdate(
+        self, request_iterator: AsyncIterator[pb.UpdateChunk], context: grpc.aio.ServicerContext
+    ) -> pb.SubmitReply:
+        device = await self._device(context)
+        try:
+            await self._receive(device, request_iterator)
+        except StaleRoundError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except (WireError, UpdateRejected) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.SubmitReply(accepted=True, detail="aggregated")
+
+    async def _receive(
+        self, device: DeviceRecord, chunks: AsyncIterator[pb.UpdateChunk]
+    ) -> None:
+        first = await anext(aiter(chunks), None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise WireError("the first message of an update must be its header")
+        head = first.header
+        gateway = self.server.gateway
+        rnd = gateway.expect(device.id, head.job_id, head.round, head.round_token)
+        if head.codec not in ("", "safetensors"):
+            raise WireError(f"unknown update codec {head.codec!r}")
+        if head.num_samples <= 0:
+            raise UpdateRejected("num_samples must be positive")
+        limit = sum(s.nbytes for s in rnd.task.layout) + HEADER_SLACK
+        assembler = BlobAssembler(head.payload_size, head.payload_sha256, limit)
+        async with self.server.upload_slots:
+            async for msg in chunks:
+                if msg.WhichOneof("part") != "data":
+                    raise WireError("an update carries exactly one header")
+                assembler.add(msg.data)
+            payload = assembler.finish()
+            delta = decode_state(payload, expected=rnd.task.layout, max_bytes=limit)
+            update = Update(
+                job_id=head.job_id,
+                round=head.round,
+                device_id=device.id,
+                num_samples=int(head.num_samples),
+                delta=delta,
+                metrics=dict(head.metrics),
+            )
+            remaining = max(1.0, rnd.task.deadline - time.time() + 5.0)
+            await gateway.deliver(rnd, update, remaining)
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
+        device = await self._device(context)
+        self.server.gateway.fail(device.id, f"left: {request.reason or 'no reason given'}")
+        self.server.pool.leave(device.id)
+        log.info("device %s left (%s)", device.id, request.reason)
+        return pb.LeaveReply()

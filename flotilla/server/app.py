@@ -1,0 +1,282 @@
+"""The federation server: storage, the device pool, the gateway and one runner per job."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from flotilla.core.blobs import CHUNK_BYTES
+from flotilla.core.device import DeviceProfile
+from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError, TaskLoadError
+from flotilla.core.records import DeviceRecord, JobRecord
+from flotilla.core.spec import JobSpec
+from flotilla.core.timeouts import Timeouts
+from flotilla.engine import EngineConfig, JobRunner
+from flotilla.proto import flotilla_pb2 as pb
+from flotilla.proto import flotilla_pb2_grpc as pb_grpc
+from flotilla.scheduling import DevicePool, RandomSelector
+from flotilla.server import auth
+from flotilla.server.agent_service import AgentService, profile_from_pb
+from flotilla.server.blobstore import BlobStore
+from flotilla.server.evaluation import initial_model, server_evaluator
+from flotilla.server.gateway import Gateway
+from flotilla.server.operator_service import OperatorService
+from flotilla.server.store import Store, default_url
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "server.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    state_dir: Path = Path("flotilla-state")
+    db_url: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    #: Uploads decoded at once; bounds server memory to O(model) whatever the fleet size.
+    upload_slots: int = 1
+    max_message_bytes: int = 8 * 1024 * 1024
+    speed_test_max_bytes: int = 16 * 1024 * 1024
+
+
+class FederationServer:
+    """Owns every long-lived part; ``start`` resumes the jobs a previous run left running."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.state_dir = Path(config.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.blobs = BlobStore(self.state_dir / "blobs")
+        self.pool = DevicePool(clock=time.time)
+        self.gateway = Gateway(self.pool, time.time)
+        self.upload_slots = asyncio.Semaphore(config.upload_slots)
+        self.store: Store
+        self.port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._runners: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._devices: dict[str, DeviceRecord] = {}
+        self._rng = random.Random()
+
+    @property
+    def db_url(self) -> str:
+        return self.config.db_url or default_url(self.state_dir)
+
+    async def start(self) -> int:
+        self.store = await Store.open(self.db_url)
+        await self._ensure_operator_token()
+        self._grpc = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self.config.max_message_bytes),
+                ("grpc.max_send_message_length", self.config.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        pb_grpc.add_AgentServicer_to_server(AgentService(self), self._grpc)
+        pb_grpc.add_OperatorServicer_to_server(OperatorService(self), self._grpc)
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert and self.config.tls_key:
+            creds = grpc.ssl_server_credentials(
+                [(self.config.tls_key.read_bytes(), self.config.tls_cert.read_bytes())]
+            )
+            self.port = self._grpc.add_secure_port(address, creds)
+        else:
+            self.port = self._grpc.add_insecure_port(address)
+        await self._grpc.start()
+        state = {"host": self.config.host, "port": self.port, "db_url": self.db_url}
+        (self.state_dir / STATE_FILE).write_text(json.dumps(state))
+        self._spawn(self._reaper())
+        for job in await self.store.jobs_to_resume():
+            self._start_runner(job)
+        log.info("listening on %s:%d", self.config.host, self.port)
+        return self.port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        for task in [*self._runners.values(), *self._background]:
+            task.cancel()
+        for task in [*self._runners.values(), *self._background]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s)
+        await self.store.close()
+
+    async def wait(self) -> None:
+        assert self._grpc is not None
+        await self._grpc.wait_for_termination()
+
+    def _spawn(self, coro: object) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _ensure_operator_token(self) -> None:
+        path = self.state_dir / auth.OPERATOR_TOKEN_FILE
+        if path.exists():
+            token = path.read_text().strip()
+            if await self.store.has_operator_token(auth.hash_secret(token)):
+                return
+        token = auth.new_secret()
+        await self.store.add_operator_token(auth.hash_secret(token))
+        auth.write_private(path, token + "\n")
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.config.timeouts.liveness / 4))
+            for device_id in self.gateway.reap(self.config.timeouts.liveness):
+                log.info("device %s went silent", device_id)
+
+    # --- devices -------------------------------------------------------------------------
+
+    async def enrol(self, token: str, profile: pb.DeviceProfile) -> tuple[str, str]:
+        if not token or not await self.store.has_enrol_token(auth.hash_secret(token)):
+            raise AuthError("enrolment token refused")
+        device_id = "dev-" + uuid.uuid4().hex[:12]
+        credential = auth.new_secret()
+        now = time.time()
+        record = DeviceRecord(
+            id=device_id,
+            credential_hash=auth.hash_secret(credential),
+            tasks=tuple(profile.tasks),
+            profile=profile_from_pb(device_id, profile).numbers(),
+            enrolled_at=now,
+            last_seen_at=now,
+        )
+        await self.store.add_device(record)
+        self._devices[device_id] = record
+        return device_id, credential
+
+    async def authenticate_device(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> DeviceRecord:
+        md = tuple(metadata or ())
+        device_id, secret = auth.header(md, "x-flotilla-device"), auth.bearer(md)
+        if not device_id or not secret:
+            raise AuthError("missing device credentials")
+        record = self._devices.get(device_id)
+        if record is None:
+            record = await self.store.get_device(device_id)
+            if record is not None:
+                self._devices[device_id] = record
+        if record is None or not auth.matches(secret, record.credential_hash):
+            raise AuthError("device credentials refused")
+        return record
+
+    async def authenticate_operator(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> None:
+        token = auth.bearer(tuple(metadata or ()))
+        if not token or not await self.store.has_operator_token(auth.hash_secret(token)):
+            raise AuthError("operator token refused")
+
+    async def device_seen(self, device: DeviceRecord, profile: pb.DeviceProfile | None) -> None:
+        if profile is not None:
+            numbers = profile_from_pb(device.id, profile).numbers()
+            await self.store.update_device(device.id, profile=numbers, tasks=tuple(profile.tasks))
+            device = self._devices[device.id] = await self.store.get_device(device.id) or device
+        self.pool.seen(
+            DeviceProfile(
+                device_id=device.id,
+                tasks=device.tasks,
+                gflops=device.profile.get("gflops", 0.0),
+                memory_bytes=int(device.profile.get("memory_bytes", 0)),
+                upload_bytes_per_s=device.profile.get("upload_bytes_per_s", 0.0),
+            )
+        )
+
+    # --- jobs ----------------------------------------------------------------------------
+
+    async def submit_job(self, spec_json: str) -> JobRecord:
+        spec = JobSpec.from_json(spec_json, "submitted spec")
+        try:
+            model_bytes = await asyncio.to_thread(initial_model, spec)
+        except TaskLoadError as exc:
+            raise SpecError(f"job.task: {exc}") from exc
+        sha = await asyncio.to_thread(self.blobs.put, model_bytes)
+        await self.store.add_checkpoint(sha, len(model_bytes))
+        now = time.time()
+        job = JobRecord(
+            id="job-" + uuid.uuid4().hex[:10],
+            name=spec.job.name,
+            spec_json=spec.to_json(),
+            state="pending",
+            rounds_total=spec.job.rounds,
+            rounds_committed=0,
+            checkpoint_sha256=sha,
+            created_at=now,
+            updated_at=now,
+            metrics={},
+        )
+        await self.store.add_job(job)
+        self._start_runner(job)
+        return job
+
+    async def cancel_job(self, job_id: str) -> JobRecord:
+        runner = self._runners.pop(job_id, None)
+        if runner is not None:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await runner
+        return await self.store.set_job_state(job_id, "cancelled")
+
+    def _start_runner(self, job: JobRecord) -> None:
+        spec = JobSpec.from_json(job.spec_json, f"job {job.id}")
+        runner = JobRunner(
+            job=job,
+            spec=spec,
+            backend=self.gateway,
+            pool=self.pool,
+            selector=RandomSelector(random.Random(self._rng.random())),
+            ledger=self.store,
+            blobs=self.blobs,
+            evaluator=server_evaluator(spec),
+            clock=time.time,
+            config=self.config.engine,
+        )
+        task = asyncio.ensure_future(self._run_job(runner))
+        self._runners[job.id] = task
+
+    async def _run_job(self, runner: JobRunner) -> None:
+        job_id = runner.job.id
+        try:
+            await runner.run()
+        except asyncio.CancelledError:
+            raise
+        except FlotillaError as exc:
+            log.error("job %s stopped: %s", job_id, exc)
+        except Exception:
+            log.exception("job %s failed", job_id)
+            with contextlib.suppress(Exception):
+                await self.store.set_job_state(job_id, "failed")
+        finally:
+            self._runners.pop(job_id, None)
+
+    # --- blobs ---------------------------------------------------------------------------
+
+    async def stream_blob(self, sha256: str) -> AsyncIterator[pb.BlobChunk]:
+        size = self.blobs.size(sha256)
+        offset = 0
+        for data in self.blobs.iter_chunks(sha256, CHUNK_BYTES):
+            first = offset == 0
+            yield pb.BlobChunk(
+                data=data,
+                offset=offset,
+                total_size=size if first else 0,
+                sha256=sha256 if first else "",
+            )
+            offset += len(data)
+        if size == 0:
+            raise NotFoundError(f"blob {sha256} is empty")
+

@@ -1,0 +1,71 @@
+"""Model checkpoints on disk, addressed by their SHA-256, written atomically."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from flotilla.core.blobs import CHUNK_BYTES, sha256_hex
+from flotilla.core.errors import IntegrityError, NotFoundError
+
+
+class BlobStore:
+    """``root/ab/abcdef...``: a blob's name is its digest, so a write is idempotent.
+
+    Files are fsynced and renamed into place, so a crash leaves either the whole blob or
+    nothing under its name; a database row may point at a blob only after this returns.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, sha256: str) -> Path:
+        if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+            raise NotFoundError(f"not a sha256 digest: {sha256!r}")
+        return self.root / sha256[:2] / sha256
+
+    def put(self, data: bytes | bytearray | memoryview) -> str:
+        sha = sha256_hex(data)
+        target = self.path(sha)
+        if target.exists():
+            return sha
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return sha
+
+    def get(self, sha256: str) -> bytes:
+        try:
+            data = self.path(sha256).read_bytes()
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"no blob {sha256}") from exc
+        if sha256_hex(data) != sha256:
+            raise IntegrityError(f"blob {sha256} is corrupt on disk")
+        return data
+
+    def size(self, sha256: str) -> int:
+        try:
+            return self.path(sha256).stat().st_size
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"no blob {sha256}") from exc
+
+    def iter_chunks(self, sha256: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """Stream a blob from disk without holding it in memory."""
+        try:
+            fh = self.path(sha256).open("rb")
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"no blob {sha256}") from exc
+        with fh:
+            while chunk := fh.read(chunk_bytes):
+                yield chunk

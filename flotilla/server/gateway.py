@@ -1,0 +1,163 @@
+"""The real-device Backend: rounds offered to polling agents, their uploads streamed back.
+
+The gRPC handlers and the round engine meet here. A round is open from ``dispatch`` until
+the engine closes its result stream; an update that arrives after that is stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from flotilla.core.errors import StaleRoundError, UpdateRejected
+from flotilla.core.update import Update
+from flotilla.engine.backend import Delivered, Failed, RoundResult, TrainTask
+from flotilla.scheduling import DevicePool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class OpenRound:
+    task: TrainTask
+    started: float
+    #: Selected devices that have not reported yet.
+    pending: set[str]
+    results: asyncio.Queue[RoundResult] = field(default_factory=asyncio.Queue)
+
+
+@dataclass(slots=True)
+class Gateway:
+    """Mailboxes for polling agents and the open rounds their uploads belong to."""
+
+    pool: DevicePool
+    clock: Callable[[], float]
+    _rounds: dict[str, OpenRound] = field(default_factory=dict)
+    _offers: dict[str, TrainTask] = field(default_factory=dict)
+    _wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    async def dispatch(
+        self, task: TrainTask, device_ids: Sequence[str]
+    ) -> AsyncIterator[RoundResult]:
+        rnd = OpenRound(task, self.clock(), set(device_ids))
+        self._rounds[task.round_token] = rnd
+        for device_id in device_ids:
+            self._offers[device_id] = task
+            self._wakeup(device_id).set()
+        try:
+            while rnd.pending or not rnd.results.empty():
+                yield await rnd.results.get()
+        finally:
+            self._close(rnd)
+
+    def _close(self, rnd: OpenRound) -> None:
+        self._rounds.pop(rnd.task.round_token, None)
+        while not rnd.results.empty():
+            result = rnd.results.get_nowait()
+            if isinstance(result, Delivered):
+                result.settle("stale: the round closed before this update was aggregated")
+        for device_id in rnd.pending:
+            offer = self._offers.get(device_id)
+            if offer is not None and offer.round_token == rnd.task.round_token:
+                # Never picked up: the device did no work and is free at once.
+                del self._offers[device_id]
+                self.pool.release(device_id, rnd.task.job_id)
+            # Otherwise it is still training: it stays busy until it polls or submits.
+
+    def _wakeup(self, device_id: str) -> asyncio.Event:
+        return self._wakeups.setdefault(device_id, asyncio.Event())
+
+    async def poll(self, device_id: str, hold_s: float) -> TrainTask | None:
+        """Wait up to ``hold_s`` for work. A polling agent is idle by its own account."""
+        self._abandon(device_id)
+        offer = self._offers.pop(device_id, None)
+        if offer is None:
+            wakeup = self._wakeup(device_id)
+            wakeup.clear()
+            try:
+                await asyncio.wait_for(wakeup.wait(), timeout=hold_s)
+            except asyncio.TimeoutError:
+                return None
+            offer = self._offers.pop(device_id, None)
+        if offer is not None and offer.round_token not in self._rounds:
+            self.pool.release(device_id, offer.job_id)
+            return None
+        return offer
+
+    def _abandon(self, device_id: str) -> None:
+        """A device polling while owed an update gave up on it; free it."""
+        for rnd in self._rounds.values():
+            took_task = self._offers.get(device_id) is not rnd.task
+            if device_id in rnd.pending and took_task:
+                rnd.pending.discard(device_id)
+                rnd.results.put_nowait(Failed(device_id, "agent abandoned the task"))
+        busy = self.pool.busy_with(device_id)
+        if busy is not None and not self._owes(device_id):
+            self.pool.release(device_id, busy)
+
+    def _owes(self, device_id: str) -> bool:
+        return any(device_id in r.pending for r in self._rounds.values())
+
+    def round_open(self, round_token: str) -> bool:
+        return round_token in self._rounds
+
+    def assigned_model(self, device_id: str, sha256: str) -> bool:
+        return any(
+            device_id in r.pending and r.task.model_sha256 == sha256 for r in self._rounds.values()
+        )
+
+    def expect(self, device_id: str, job_id: str, round_no: int, round_token: str) -> OpenRound:
+        """The open round an upload belongs to, or StaleRoundError."""
+        rnd = self._rounds.get(round_token)
+        if (
+            rnd is None
+            or rnd.task.job_id != job_id
+            or rnd.task.round != round_no
+            or device_id not in rnd.pending
+        ):
+            busy = self.pool.busy_with(device_id)
+            if busy is not None and not self._owes(device_id):
+                self.pool.release(device_id, busy)
+            raise StaleRoundError(
+                f"stale round: round {round_no} of job {job_id} is not open for this device"
+            )
+        return rnd
+
+    async def deliver(self, rnd: OpenRound, update: Update, timeout_s: float) -> None:
+        """Hand a decoded update to the engine and wait for its verdict."""
+        if rnd.task.round_token not in self._rounds or update.device_id not in rnd.pending:
+            raise StaleRoundError("stale round: the round closed while the update was uploading")
+        loop = asyncio.get_running_loop()
+        verdict: asyncio.Future[str | None] = loop.create_future()
+
+        def settle(reason: str | None) -> None:
+            if not verdict.done():
+                verdict.set_result(reason)
+
+        rnd.pending.discard(update.device_id)
+        rnd.results.put_nowait(Delivered(update, self.clock() - rnd.started, settle))
+        try:
+            reason = await asyncio.wait_for(verdict, timeout=timeout_s)
+        except asyncio.TimeoutError:
+            reason = "stale: the round did not take this update in time"
+        if reason is None:
+            return
+        if reason.startswith("stale"):
+            raise StaleRoundError(reason)
+        raise UpdateRejected(reason)
+
+    def fail(self, device_id: str, reason: str) -> None:
+        """A device will report nothing more to any round it owes (it left or went silent)."""
+        for rnd in self._rounds.values():
+            if device_id in rnd.pending:
+                rnd.pending.discard(device_id)
+                rnd.results.put_nowait(Failed(device_id, reason))
+        self._offers.pop(device_id, None)
+
+    def reap(self, liveness_s: float) -> list[str]:
+        gone = self.pool.expire(liveness_s)
+        for device_id in gone:
+            self.fail(device_id, "went silent")
+        return gone

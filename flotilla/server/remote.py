@@ -1,0 +1,124 @@
+"""The operator's handle on a running server, over gRPC (what ``flotilla job ...`` uses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from flotilla.core.blobs import BlobAssembler
+from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError
+from flotilla.core.spec import JobSpec
+from flotilla.proto import flotilla_pb2 as pb
+from flotilla.proto import flotilla_pb2_grpc as pb_grpc
+
+_ERRORS: dict[grpc.StatusCode, type[FlotillaError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: AuthError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.INVALID_ARGUMENT: SpecError,
+}
+
+
+def operator_token(state_dir: Path | None, token: str | None) -> str:
+    if token:
+        return token
+    if state_dir is None:
+        raise AuthError("give --token or --state-dir (which holds operator.token)")
+    path = Path(state_dir) / "operator.token"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError as exc:
+        raise AuthError(f"no operator token at {path}; has the server started there?") from exc
+
+
+def job_json(info: pb.JobInfo, with_rounds: bool = False) -> dict[str, Any]:
+    """The ``job status --json`` shape."""
+    out: dict[str, Any] = {
+        "id": info.id,
+        "name": info.name,
+        "state": info.state,
+        "task": info.task,
+        "rounds_committed": info.rounds_committed,
+        "rounds_total": info.rounds_total,
+        "metrics": dict(info.metrics),
+        "created_at": info.created_at,
+    }
+    if with_rounds:
+        out["rounds"] = [
+            {
+                "round": r.round,
+                "metrics": dict(r.metrics),
+                "participants": list(r.participants),
+                "started_at": r.started_at,
+                "committed_at": r.committed_at,
+            }
+            for r in info.rounds
+        ]
+    return out
+
+
+@dataclass
+class RemoteServer:
+    """Async operator calls with deadlines; gRPC errors become Flotilla errors."""
+
+    target: str
+    token: str
+    tls_ca: Path | None = None
+    timeout_s: float = 30.0
+
+    async def __aenter__(self) -> RemoteServer:
+        from flotilla.client.channel import open_channel
+
+        self._channel = open_channel(self.target, self.tls_ca)
+        self._stub = pb_grpc.OperatorStub(self._channel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._channel.close()
+
+    @property
+    def _md(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),)
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, metadata=self._md, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc) from exc
+
+    async def submit(self, spec: JobSpec) -> pb.JobInfo:
+        return await self._call(self._stub.SubmitJob, pb.SubmitJobRequest(spec_json=spec.to_json()))
+
+    async def jobs(self) -> list[pb.JobInfo]:
+        reply = await self._call(self._stub.ListJobs, pb.ListJobsRequest())
+        return list(reply.jobs)
+
+    async def job(self, job_id: str, with_rounds: bool = False) -> pb.JobInfo:
+        request = pb.GetJobRequest(job_id=job_id, with_rounds=with_rounds)
+        return await self._call(self._stub.GetJob, request)
+
+    async def cancel(self, job_id: str) -> pb.JobInfo:
+        return await self._call(self._stub.CancelJob, pb.GetJobRequest(job_id=job_id))
+
+    async def export(self, job_id: str, max_bytes: int = 2**34) -> bytes:
+        call = self._stub.ExportModel(
+            pb.GetJobRequest(job_id=job_id), metadata=self._md, timeout=self.timeout_s * 10
+        )
+        assembler: BlobAssembler | None = None
+        try:
+            async for chunk in call:
+                if assembler is None:
+                    assembler = BlobAssembler(chunk.total_size, chunk.sha256, max_bytes)
+                assembler.add(chunk.data, chunk.offset)
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc) from exc
+        if assembler is None:
+            raise NotFoundError(f"job {job_id} has no model")
+        return bytes(assembler.finish())
+
+
+def _translate(exc: grpc.aio.AioRpcError) -> FlotillaError:
+    cls = _ERRORS.get(exc.code(), FlotillaError)
+    return cls(exc.details() or exc.code().name)

@@ -1,0 +1,128 @@
+"""ORM tables of the federation server.
+
+Only column types that behave the same on SQLite and PostgreSQL are used: times are
+``Double`` (REAL / DOUBLE PRECISION, never single precision), sizes ``BigInteger``, and
+structured fields are JSON in ``Text`` columns so neither backend's JSON type is needed.
+Nothing outside :mod:`flotilla.server.store` should import these classes.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Double,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+#: Deterministic constraint names, so migrations and error messages are stable across backends.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+SHA256_LEN = 64
+ID_LEN = 128
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class DeviceRow(Base):
+    __tablename__ = "devices"
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    credential_hash: Mapped[str] = mapped_column(String(256))
+    tasks_json: Mapped[str] = mapped_column(Text, default="[]")
+    profile_json: Mapped[str] = mapped_column(Text, default="{}")
+    enrolled_at: Mapped[float] = mapped_column(Double)
+    last_seen_at: Mapped[float] = mapped_column(Double)
+
+
+class EnrolTokenRow(Base):
+    """Only the hash of an enrolment token is kept, so a database leak does not leak tokens."""
+
+    __tablename__ = "enrol_tokens"
+
+    token_hash: Mapped[str] = mapped_column(String(256), primary_key=True)
+    created_at: Mapped[float] = mapped_column(Double)
+
+
+class OperatorTokenRow(Base):
+    __tablename__ = "operator_tokens"
+
+    token_hash: Mapped[str] = mapped_column(String(256), primary_key=True)
+    created_at: Mapped[float] = mapped_column(Double)
+
+
+class CheckpointRow(Base):
+    """A model blob known to the server; the bytes live in the blob store under ``sha256``."""
+
+    __tablename__ = "checkpoints"
+
+    sha256: Mapped[str] = mapped_column(String(SHA256_LEN), primary_key=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[float] = mapped_column(Double)
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    name: Mapped[str] = mapped_column(String(256))
+    spec_json: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    rounds_total: Mapped[int] = mapped_column(Integer)
+    rounds_committed: Mapped[int] = mapped_column(Integer, default=0)
+    # Empty until the first round commits (or the initial model is registered), hence no FK.
+    checkpoint_sha256: Mapped[str] = mapped_column(String(SHA256_LEN), default="")
+    created_at: Mapped[float] = mapped_column(Double, index=True)
+    updated_at: Mapped[float] = mapped_column(Double)
+    metrics_json: Mapped[str] = mapped_column(Text, default="{}")
+
+
+class RoundRow(Base):
+    """A committed round; the composite primary key is the (job_id, round) uniqueness guard."""
+
+    __tablename__ = "rounds"
+
+    job_id: Mapped[str] = mapped_column(
+        String(ID_LEN), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    round: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_sha256: Mapped[str] = mapped_column(
+        String(SHA256_LEN), ForeignKey("checkpoints.sha256")
+    )
+    metrics_json: Mapped[str] = mapped_column(Text, default="{}")
+    started_at: Mapped[float] = mapped_column(Double)
+    committed_at: Mapped[float] = mapped_column(Double)
+
+
+class ParticipationRow(Base):
+    """One device in one round; a device appears at most once per round."""
+
+    __tablename__ = "participations"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["job_id", "round"], ["rounds.job_id", "rounds.round"], ondelete="CASCADE"
+        ),
+        Index("ix_participations_device_id", "device_id"),
+    )
+
+    job_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    round: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # No FK to devices: simulated or since-removed devices still keep their history.
+    device_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    num_samples: Mapped[int] = mapped_column(BigInteger)
+    started_at: Mapped[float] = mapped_column(Double)
+    finished_at: Mapped[float] = mapped_column(Double)
+    metrics_json: Mapped[str] = mapped_column(Text, default="{}")

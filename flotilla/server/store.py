@@ -1,0 +1,532 @@
+"""The federation server's database: SQLite for one box, PostgreSQL for a fleet.
+
+Every public method is one transaction and returns plain records from
+:mod:`flotilla.core.records`, so callers never hold ORM objects or sessions. Round commits
+are the one multi-row write that must be all-or-nothing; :meth:`Store.commit_round` does it
+under a row lock on the job (PostgreSQL) or a write lock on the file (SQLite).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from sqlalchemy import event, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    async_sessionmaker,
+    create_async_engine,
+)
+from sqlalchemy.sql.dml import Insert
+
+from flotilla.core.errors import FlotillaError, NotFoundError
+from flotilla.core.records import (
+    JOB_STATES,
+    RESUMABLE_STATES,
+    TERMINAL_STATES,
+    DeviceRecord,
+    JobRecord,
+    ParticipationRecord,
+    RoundCommit,
+    RoundRecord,
+)
+from flotilla.server.schema import (
+    Base,
+    CheckpointRow,
+    DeviceRow,
+    EnrolTokenRow,
+    JobRow,
+    OperatorTokenRow,
+    ParticipationRow,
+    RoundRow,
+)
+
+__all__ = [
+    "JobStateError",
+    "RoundConflict",
+    "Store",
+    "StoreConflict",
+    "async_url",
+    "default_url",
+]
+
+#: How long a SQLite writer waits for another writer before giving up ("database is locked").
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+# Execution option read by the SQLite "begin" hook: write transactions take the write lock
+# up front so two writers queue instead of failing on a stale snapshot.
+_SQLITE_BEGIN = "flotilla_sqlite_begin"
+
+
+class StoreConflict(FlotillaError, ValueError):
+    """A write that contradicts what is stored (duplicate id, illegal transition...)."""
+
+
+class RoundConflict(StoreConflict):
+    """A round commit that is out of order, repeated, or for a finished job; nothing written."""
+
+
+class JobStateError(StoreConflict):
+    """A state change out of a terminal state (completed, failed, cancelled)."""
+
+
+def default_url(state_dir: Path) -> str:
+    """The single-box database: a SQLite file inside the server's state directory."""
+    return f"sqlite+aiosqlite:///{(Path(state_dir) / 'flotilla.db').as_posix()}"
+
+
+def async_url(url: str) -> URL:
+    """Map ``sqlite:///...`` / ``postgresql://...`` onto the async drivers the store runs on."""
+    parsed = make_url(url)
+    backend, _, driver = parsed.drivername.partition("+")
+    if backend == "sqlite":
+        wanted = "aiosqlite"
+        name = "sqlite+aiosqlite"
+    elif backend in ("postgresql", "postgres"):
+        wanted = "asyncpg"
+        name = "postgresql+asyncpg"
+    else:
+        raise ValueError(
+            f"unsupported database URL {parsed.render_as_string(hide_password=True)!r}: "
+            "use sqlite:///path/to/flotilla.db or postgresql://user@host/db"
+        )
+    if driver not in ("", wanted):
+        raise ValueError(
+            f"database driver {driver!r} is not async; use {backend}:// or {name}:// instead"
+        )
+    return parsed.set(drivername=name)
+
+
+def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    # Take BEGIN away from the sqlite3 driver (which skips it for SELECT and DDL) so the
+    # "begin" hook below controls when and how each transaction starts.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    finally:
+        cursor.close()
+
+
+def _on_sqlite_begin(conn: Connection) -> None:
+    mode = conn.get_execution_options().get(_SQLITE_BEGIN, "DEFERRED")
+    conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _floats(value: Mapping[str, float]) -> str:
+    return _dumps({str(k): float(v) for k, v in value.items()})
+
+
+def _load_floats(text: str) -> dict[str, float]:
+    data = json.loads(text) if text else {}
+    return {str(k): float(v) for k, v in data.items()}
+
+
+def _load_strs(text: str) -> tuple[str, ...]:
+    data = json.loads(text) if text else []
+    return tuple(str(v) for v in data)
+
+
+def _device_record(row: DeviceRow) -> DeviceRecord:
+    return DeviceRecord(
+        id=row.id,
+        credential_hash=row.credential_hash,
+        tasks=_load_strs(row.tasks_json),
+        profile=_load_floats(row.profile_json),
+        enrolled_at=row.enrolled_at,
+        last_seen_at=row.last_seen_at,
+    )
+
+
+def _job_record(row: JobRow) -> JobRecord:
+    return JobRecord(
+        id=row.id,
+        name=row.name,
+        spec_json=row.spec_json,
+        state=row.state,
+        rounds_total=row.rounds_total,
+        rounds_committed=row.rounds_committed,
+        checkpoint_sha256=row.checkpoint_sha256,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        metrics=_load_floats(row.metrics_json),
+    )
+
+
+def _participation_record(row: ParticipationRow) -> ParticipationRecord:
+    return ParticipationRecord(
+        job_id=row.job_id,
+        round=row.round,
+        device_id=row.device_id,
+        num_samples=row.num_samples,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+        metrics=_load_floats(row.metrics_json),
+    )
+
+
+def _check_state(state: str) -> None:
+    if state not in JOB_STATES:
+        raise ValueError(f"unknown job state {state!r}; expected one of {', '.join(JOB_STATES)}")
+
+
+def _check_commit(c: RoundCommit) -> None:
+    if c.round < 1:
+        raise ValueError(f"round numbers start at 1, got {c.round}")
+    for p in c.participants:
+        if p.job_id != c.job_id or p.round != c.round:
+            raise ValueError(
+                f"participant {p.device_id!r} is for job {p.job_id!r} round {p.round}, "
+                f"not job {c.job_id!r} round {c.round}"
+            )
+
+
+class Store:
+    """Async access to the server's tables; build one with :meth:`Store.open`."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._dialect = engine.dialect.name
+        write_engine = engine
+        if self._dialect == "sqlite":
+            write_engine = engine.execution_options(**{_SQLITE_BEGIN: "IMMEDIATE"})
+        self._read = async_sessionmaker(engine, expire_on_commit=False)
+        self._write = async_sessionmaker(write_engine, expire_on_commit=False)
+        self._write_engine = write_engine
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    default_url = staticmethod(default_url)
+
+    @classmethod
+    async def open(cls, url: str) -> Store:
+        """Connect, and create any missing tables (existing rows are left alone)."""
+        target = async_url(url)
+        if target.get_backend_name() == "sqlite":
+            db = target.database or ""
+            if db and db != ":memory:" and not db.startswith("file:"):
+                Path(db).parent.mkdir(parents=True, exist_ok=True)
+            engine = create_async_engine(target)
+            event.listen(engine.sync_engine, "connect", _on_sqlite_connect)
+            event.listen(engine.sync_engine, "begin", _on_sqlite_begin)
+        else:
+            engine = create_async_engine(target, pool_pre_ping=True)
+        store = cls(engine)
+        try:
+            async with store._write_engine.begin() as conn:
+                await conn.run_sync(Base.metadata.create_all)
+        except BaseException:
+            await engine.dispose()
+            raise
+        return store
+
+    async def close(self) -> None:
+        await self._engine.dispose()
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    @property
+    def dialect(self) -> str:
+        """``"sqlite"`` or ``"postgresql"``."""
+        return self._dialect
+
+    async def wipe(self) -> None:
+        """Drop and recreate every table: for tests that share one PostgreSQL database."""
+        async with self._write_engine.begin() as conn:
+            await conn.run_sync(Base.metadata.drop_all)
+            await conn.run_sync(Base.metadata.create_all)
+
+    def _insert_ignore(self, model: type[Base], **values: Any) -> Insert:
+        """INSERT that does nothing when the primary key exists, without aborting the txn."""
+        if self._dialect == "postgresql":
+            return pg_insert(model).values(**values).on_conflict_do_nothing()
+        return sqlite_insert(model).values(**values).on_conflict_do_nothing()
+
+    # -- tokens ----------------------------------------------------------------------------
+
+    async def add_enrol_token(self, token_hash: str) -> None:
+        async with self._write.begin() as s:
+            await s.execute(
+                self._insert_ignore(EnrolTokenRow, token_hash=token_hash, created_at=time.time())
+            )
+
+    async def has_enrol_token(self, token_hash: str) -> bool:
+        async with self._read() as s:
+            return await s.get(EnrolTokenRow, token_hash) is not None
+
+    async def add_operator_token(self, token_hash: str) -> None:
+        async with self._write.begin() as s:
+            await s.execute(
+                self._insert_ignore(OperatorTokenRow, token_hash=token_hash, created_at=time.time())
+            )
+
+    async def has_operator_token(self, token_hash: str) -> bool:
+        async with self._read() as s:
+            return await s.get(OperatorTokenRow, token_hash) is not None
+
+    # -- devices ---------------------------------------------------------------------------
+
+    async def add_device(self, device: DeviceRecord) -> None:
+        """Register a device; a second device with the same id is a :class:`StoreConflict`."""
+        row = DeviceRow(
+            id=device.id,
+            credential_hash=device.credential_hash,
+            tasks_json=_dumps(list(device.tasks)),
+            profile_json=_floats(device.profile),
+            enrolled_at=device.enrolled_at,
+            last_seen_at=device.last_seen_at,
+        )
+        try:
+            async with self._write.begin() as s:
+                s.add(row)
+        except IntegrityError as exc:
+            raise StoreConflict(f"device {device.id!r} is already enrolled") from exc
+
+    async def get_device(self, device_id: str) -> DeviceRecord | None:
+        async with self._read() as s:
+            row = await s.get(DeviceRow, device_id)
+            return None if row is None else _device_record(row)
+
+    async def list_devices(self) -> list[DeviceRecord]:
+        async with self._read() as s:
+            rows = await s.scalars(select(DeviceRow).order_by(DeviceRow.enrolled_at, DeviceRow.id))
+            return [_device_record(r) for r in rows]
+
+    async def update_device(
+        self,
+        device_id: str,
+        *,
+        profile: Mapping[str, float] | None = None,
+        last_seen_at: float | None = None,
+        tasks: Iterable[str] | None = None,
+    ) -> DeviceRecord:
+        """Replace whichever fields are given; ``profile`` replaces the whole dict."""
+        async with self._write.begin() as s:
+            row = await s.get(DeviceRow, device_id, with_for_update=True)
+            if row is None:
+                raise NotFoundError(f"unknown device {device_id!r}")
+            if profile is not None:
+                row.profile_json = _floats(profile)
+            if last_seen_at is not None:
+                row.last_seen_at = last_seen_at
+            if tasks is not None:
+                row.tasks_json = _dumps(list(tasks))
+            return _device_record(row)
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    async def add_job(self, job: JobRecord) -> None:
+        """Insert a new job; a duplicate id is a :class:`StoreConflict`."""
+        _check_state(job.state)
+        row = JobRow(
+            id=job.id,
+            name=job.name,
+            spec_json=job.spec_json,
+            state=job.state,
+            rounds_total=job.rounds_total,
+            rounds_committed=job.rounds_committed,
+            checkpoint_sha256=job.checkpoint_sha256,
+            created_at=job.created_at,
+            updated_at=job.updated_at,
+            metrics_json=_floats(job.metrics),
+        )
+        try:
+            async with self._write.begin() as s:
+                s.add(row)
+        except IntegrityError as exc:
+            raise StoreConflict(f"job {job.id!r} already exists") from exc
+
+    async def get_job(self, job_id: str) -> JobRecord | None:
+        async with self._read() as s:
+            row = await s.get(JobRow, job_id)
+            return None if row is None else _job_record(row)
+
+    async def list_jobs(self) -> list[JobRecord]:
+        """All jobs, oldest first."""
+        async with self._read() as s:
+            rows = await s.scalars(select(JobRow).order_by(JobRow.created_at, JobRow.id))
+            return [_job_record(r) for r in rows]
+
+    async def jobs_to_resume(self) -> list[JobRecord]:
+        """Jobs a restarted server must pick up again (pending or running), oldest first."""
+        async with self._read() as s:
+            rows = await s.scalars(
+                select(JobRow)
+                .where(JobRow.state.in_(RESUMABLE_STATES))
+                .order_by(JobRow.created_at, JobRow.id)
+            )
+            return [_job_record(r) for r in rows]
+
+    async def set_job_state(self, job_id: str, state: str) -> JobRecord:
+        """Move a job to ``state``; a finished job stays finished (:class:`JobStateError`)."""
+        _check_state(state)
+        async with self._write.begin() as s:
+            row = await s.get(JobRow, job_id, with_for_update=True)
+            if row is None:
+                raise NotFoundError(f"unknown job {job_id!r}")
+            if row.state != state:
+                if row.state in TERMINAL_STATES:
+                    raise JobStateError(f"job {job_id!r} is {row.state} and cannot become {state}")
+                row.state = state
+                row.updated_at = time.time()
+            return _job_record(row)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    async def add_checkpoint(self, sha256: str, size_bytes: int) -> None:
+        """Record a checkpoint blob; repeating it is harmless and fills in an unknown size."""
+        async with self._write.begin() as s:
+            await s.execute(
+                self._insert_ignore(
+                    CheckpointRow, sha256=sha256, size_bytes=size_bytes, created_at=time.time()
+                )
+            )
+            if size_bytes > 0:
+                # commit_round registers blobs it has not seen with size 0 ("unknown").
+                await s.execute(
+                    update(CheckpointRow)
+                    .where(CheckpointRow.sha256 == sha256, CheckpointRow.size_bytes == 0)
+                    .values(size_bytes=size_bytes)
+                )
+
+    async def get_checkpoint_size(self, sha256: str) -> int | None:
+        """Size in bytes of a known checkpoint (0 if unknown), or None if never recorded."""
+        async with self._read() as s:
+            row = await s.get(CheckpointRow, sha256)
+            return None if row is None else row.size_bytes
+
+    # -- rounds ----------------------------------------------------------------------------
+
+    async def commit_round(self, c: RoundCommit) -> JobRecord:
+        """Store a finished round and advance its job, all in one transaction.
+
+        Raises :class:`RoundConflict` (and writes nothing) unless ``c.round`` is exactly the
+        job's next round and the job is not finished; the job is ``completed`` after its last
+        round and ``running`` otherwise.
+        """
+        _check_commit(c)
+        where = f"round {c.round} of job {c.job_id!r}"
+        try:
+            async with self._write.begin() as s:
+                # The row lock makes concurrent commits of one job queue up here; the loser
+                # then sees the winner's rounds_committed and is refused below.
+                job = await s.get(JobRow, c.job_id, with_for_update=True)
+                if job is None:
+                    raise NotFoundError(f"unknown job {c.job_id!r}")
+                if job.state in TERMINAL_STATES:
+                    raise RoundConflict(f"{where} refused: the job is {job.state}")
+                if c.round != job.rounds_committed + 1:
+                    raise RoundConflict(
+                        f"{where} refused: {job.rounds_committed} rounds are committed, "
+                        f"so the next is {job.rounds_committed + 1}"
+                    )
+                if c.round > job.rounds_total:
+                    raise RoundConflict(f"{where} refused: the job has {job.rounds_total} rounds")
+                if await s.get(RoundRow, (c.job_id, c.round)) is not None:
+                    raise RoundConflict(f"{where} refused: it is already committed")
+                await s.execute(
+                    self._insert_ignore(
+                        CheckpointRow,
+                        sha256=c.checkpoint_sha256,
+                        size_bytes=0,
+                        created_at=c.committed_at,
+                    )
+                )
+                await s.execute(
+                    insert(RoundRow).values(
+                        job_id=c.job_id,
+                        round=c.round,
+                        checkpoint_sha256=c.checkpoint_sha256,
+                        metrics_json=_floats(c.metrics),
+                        started_at=c.started_at,
+                        committed_at=c.committed_at,
+                    )
+                )
+                if c.participants:
+                    await s.execute(
+                        insert(ParticipationRow),
+                        [
+                            {
+                                "job_id": p.job_id,
+                                "round": p.round,
+                                "device_id": p.device_id,
+                                "num_samples": p.num_samples,
+                                "started_at": p.started_at,
+                                "finished_at": p.finished_at,
+                                "metrics_json": _floats(p.metrics),
+                            }
+                            for p in c.participants
+                        ],
+                    )
+                job.rounds_committed = c.round
+                job.checkpoint_sha256 = c.checkpoint_sha256
+                job.metrics_json = _floats(c.metrics)
+                job.updated_at = c.committed_at
+                job.state = "completed" if c.round == job.rounds_total else "running"
+                await s.flush()
+                return _job_record(job)
+        except IntegrityError as exc:
+            # A duplicate round or participant that slipped past the checks above.
+            raise RoundConflict(f"{where} refused by the database: {exc.orig}") from exc
+
+    async def list_rounds(self, job_id: str) -> list[RoundRecord]:
+        """Committed rounds of a job in order, each with its participants."""
+        async with self._read() as s:
+            rounds = (
+                await s.scalars(
+                    select(RoundRow).where(RoundRow.job_id == job_id).order_by(RoundRow.round)
+                )
+            ).all()
+            parts = await s.scalars(
+                select(ParticipationRow)
+                .where(ParticipationRow.job_id == job_id)
+                .order_by(ParticipationRow.round, ParticipationRow.device_id)
+            )
+            by_round: dict[int, list[ParticipationRecord]] = {}
+            for p in parts:
+                by_round.setdefault(p.round, []).append(_participation_record(p))
+            return [
+                RoundRecord(
+                    job_id=r.job_id,
+                    round=r.round,
+                    checkpoint_sha256=r.checkpoint_sha256,
+                    metrics=_load_floats(r.metrics_json),
+                    started_at=r.started_at,
+                    committed_at=r.committed_at,
+                    participants=tuple(by_round.get(r.round, ())),
+                )
+                for r in rounds
+            ]
+
+    async def list_participations(self, job_id: str | None = None) -> list[ParticipationRecord]:
+        """Participations of one job, or of all jobs, ordered by job, round and device."""
+        stmt = select(ParticipationRow).order_by(
+            ParticipationRow.job_id, ParticipationRow.round, ParticipationRow.device_id
+        )
+        if job_id is not None:
+            stmt = stmt.where(ParticipationRow.job_id == job_id)
+        async with self._read() as s:
+            return [_participation_record(p) for p in await s.scalars(stmt)]

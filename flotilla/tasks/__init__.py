@@ -1,0 +1,54 @@
+"""Learning tasks: the seam between the platform and a model plus its data.
+
+Module map:
+
+- :mod:`flotilla.tasks.base` -- the :class:`Task` protocol, :class:`Shard`, :class:`LocalData`,
+  :func:`load_task` (entry points like ``"flotilla.tasks.digits:DigitsTask"``) and the
+  torch <-> numpy model-state conversion.
+- :mod:`flotilla.tasks.digits` -- :class:`DigitsTask`, the offline reference task (MLP on
+  scikit-learn's 8x8 digits, Dirichlet non-IID shards).
+
+Importing this package does not import torch or scikit-learn, so torch-free processes (the
+server, light devices) can use the helpers; ``DigitsTask`` is imported on first access.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from flotilla.tasks.base import (
+    Examples,
+    LocalData,
+    Shard,
+    Task,
+    load_model_state,
+    load_task,
+    model_state,
+)
+
+if TYPE_CHECKING:
+    from flotilla.tasks.digits import DigitsTask
+
+__all__ = [
+    "DigitsTask",
+    "Examples",
+    "LocalData",
+    "Shard",
+    "Task",
+    "load_model_state",
+    "load_task",
+    "model_state",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Import ``DigitsTask`` (and so torch) only when someone asks for it."""
+    if name == "DigitsTask":
+        from flotilla.tasks.digits import DigitsTask
+
+        return DigitsTask
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
