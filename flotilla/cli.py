@@ -82,7 +82,9 @@ def _server_parser(commands: Any) -> None:
     server.add_argument("--db", default=None, help="database URL (default: SQLite in state dir)")
     server.add_argument("--tls-cert", type=Path, default=None)
     server.add_argument("--tls-key", type=Path, default=None)
-    server.add_argument("--liveness", type=float, default=30.0, help="seconds before a silent device is dropped")
+    server.add_argument(
+        "--liveness", type=float, default=30.0, help="seconds before a silent device is dropped"
+    )
     server.set_defaults(handler=_serve)
     sub = server.add_subparsers(title="server commands", metavar="SUBCOMMAND")
     token = sub.add_parser("token", help="manage enrolment tokens")
@@ -138,7 +140,9 @@ def _client_parser(commands: Any) -> None:
     client.add_argument("--token", required=True, help="enrolment token")
     client.add_argument("--task", required=True, help="task entry point, package.module:Name")
     client.add_argument("--shard", default="0/1", help="this device's shard, i/N")
-    client.add_argument("--data", type=Path, default=None, help="local data (tasks that read files)")
+    client.add_argument(
+        "--data", type=Path, default=None, help="local data (tasks that read files)"
+    )
     client.add_argument("--state-dir", type=Path, default=None, help="keeps the credential")
     client.add_argument("--tls-ca", type=Path, default=None)
     client.set_defaults(handler=_client)

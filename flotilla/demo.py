@@ -32,9 +32,18 @@ def start_agents(port: int, token: str, count: int, logs: Path) -> list[subproce
     for i in range(count):
         log = (logs / f"agent-{i}.log").open("wb")
         cmd = [
-            sys.executable, "-m", "flotilla", "client",
-            "--server", f"127.0.0.1:{port}", "--token", token,
-            "--task", DIGITS_TASK, "--shard", f"{i}/{count}",
+            sys.executable,
+            "-m",
+            "flotilla",
+            "client",
+            "--server",
+            f"127.0.0.1:{port}",
+            "--token",
+            token,
+            "--task",
+            DIGITS_TASK,
+            "--shard",
+            f"{i}/{count}",
         ]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
     return procs
@@ -69,16 +78,21 @@ async def _federate(state: Path, agents: int, rounds: int, jobs: int, quiet: boo
         ids = []
         for j in range(jobs):
             spec = JobSpec.from_dict(
-                {**base.to_dict(), "job": {**base.to_dict()["job"], "name": f"digits-{chr(97 + j)}", "seed": j}}
+                {
+                    **base.to_dict(),
+                    "job": {**base.to_dict()["job"], "name": f"digits-{chr(97 + j)}", "seed": j},
+                }
             )
             ids.append((await server.submit_job(spec.to_json())).id)
         bars = [
-            tqdm(total=rounds, desc=f"digits-{chr(97 + j)}", position=j, disable=quiet, unit="round")
+            tqdm(
+                total=rounds, desc=f"digits-{chr(97 + j)}", position=j, disable=quiet, unit="round"
+            )
             for j in range(jobs)
         ]
         while True:
             done = 0
-            for bar, job_id in zip(bars, ids):
+            for bar, job_id in zip(bars, ids, strict=True):
                 job = await server.store.get_job(job_id)
                 assert job is not None
                 bar.n = job.rounds_committed
@@ -127,8 +141,11 @@ def run_demo(agents: int, rounds: int, jobs: int, state_dir: Path | None, as_jso
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         if state_dir is None:
-            state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flotilla-demo-")))
-        print(f"flotilla demo: server + {agents} agents, {jobs} jobs x {rounds} rounds (state in {state_dir})")
+            state_dir = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="flotilla-demo-"))
+            )
+        print(f"flotilla demo: server + {agents} agents, {jobs} jobs x {rounds} rounds")
+        print(f"state in {state_dir}")
         results = asyncio.run(_federate(state_dir, agents, rounds, jobs, quiet=as_json))
     if as_json:
         print(json.dumps({"jobs": results, "seconds": time.monotonic() - started}))

@@ -23,11 +23,11 @@ from flotilla.client.profile import matmul_gflops, memory_bytes
 from flotilla.client.training import LocalTrainer, TrainOutcome
 from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
 from flotilla.core.errors import AuthError, FlotillaError
+from flotilla.core.files import write_private
 from flotilla.core.timeouts import Timeouts
+from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
-from flotilla.core.files import write_private
-from flotilla.proto import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class Agent:
         except grpc.aio.AioRpcError as exc:
             log.warning("speed test failed (%s); reporting no upload rate", exc.code().name)
             return 0.0
-        return reply.bytes / max(time.perf_counter() - start, 1e-6)
+        return float(reply.bytes) / max(time.perf_counter() - start, 1e-6)
 
     async def _pause(self, why: str) -> None:
         delay = self._backoff.next_delay()
@@ -280,6 +280,5 @@ class Agent:
                     metadata=self._metadata(),
                     timeout=2.0,
                 )
-        await self._channel.close()
+        await self._channel.close(None)
         self._channel = None
-

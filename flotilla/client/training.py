@@ -63,4 +63,6 @@ class LocalTrainer:
         metrics = {**metrics, **task.evaluate(model, data.val)}
         local = model_state(model)
         delta = {name: local[name] - global_state[name] for name in global_state}
-        return TrainOutcome(int(num_samples), {k: float(v) for k, v in metrics.items()}, encode_state(delta))
+        return TrainOutcome(
+            int(num_samples), {k: float(v) for k, v in metrics.items()}, encode_state(delta)
+        )

@@ -15,7 +15,9 @@ def sha256_hex(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def iter_chunks(data: bytes | bytearray | memoryview, size: int = CHUNK_BYTES) -> Iterator[memoryview]:
+def iter_chunks(
+    data: bytes | bytearray | memoryview, size: int = CHUNK_BYTES
+) -> Iterator[memoryview]:
     view = memoryview(data)
     for start in range(0, len(view), size):
         yield view[start : start + size]

@@ -75,7 +75,11 @@ def encode_state(state: Mapping[str, np.ndarray]) -> bytes:
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         dtype = _dtype_name(arr.dtype)
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
         offset += arr.nbytes
         arrays.append(arr)
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -90,7 +94,9 @@ def encode_state(state: Mapping[str, np.ndarray]) -> bytes:
     return bytes(out)
 
 
-def read_header(buf: bytes | bytearray | memoryview, max_bytes: int) -> tuple[tuple[TensorSpec, ...], list[tuple[int, int]], int]:
+def read_header(
+    buf: bytes | bytearray | memoryview, max_bytes: int
+) -> tuple[tuple[TensorSpec, ...], list[tuple[int, int]], int]:
     """Parse and bound-check a safetensors header: specs, data offsets, data start."""
     view = memoryview(buf)
     if len(view) > max_bytes:
@@ -165,7 +171,7 @@ def decode_state(
         check_layout(specs, expected)
     view = memoryview(buf)
     out: ModelState = {}
-    by_name = {s.name: (s, span) for s, span in zip(specs, spans)}
+    by_name = {s.name: (s, span) for s, span in zip(specs, spans, strict=True)}
     order = [s.name for s in expected] if expected is not None else [s.name for s in specs]
     for name in order:
         spec, (begin, end) = by_name[name]
@@ -197,4 +203,3 @@ def check_finite(state: Mapping[str, np.ndarray]) -> None:
     for name, arr in state.items():
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise UpdateRejected(f"tensor {name!r} contains NaN or Inf")
-

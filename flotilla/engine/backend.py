@@ -61,4 +61,6 @@ class Backend(Protocol):
     closes the iterator; from then on the backend must refuse the round's late updates.
     """
 
-    def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> AsyncIterator[RoundResult]: ...
+    def dispatch(
+        self, task: TrainTask, device_ids: Sequence[str]
+    ) -> AsyncIterator[RoundResult]: ...

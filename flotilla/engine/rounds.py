@@ -16,7 +16,7 @@ from flotilla.core.errors import UpdateRejected
 from flotilla.core.records import JobRecord, ParticipationRecord, RoundCommit
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import ModelState, TensorSpec, decode_state, encode_state, state_spec
-from flotilla.engine.backend import Backend, Delivered, Failed, RoundResult, TrainTask
+from flotilla.engine.backend import Backend, Failed, RoundResult, TrainTask
 from flotilla.engine.ports import Blobs, Evaluator, Ledger
 from flotilla.scheduling import DevicePool, RoundOutcome, Selector
 
@@ -90,7 +90,10 @@ class JobRunner:
         if aggregator.count < min(self.spec.job.min_quorum, len(selected)):
             log.warning(
                 "job %s round %d: %d updates, below quorum %d; retrying",
-                self.job.id, round_no, aggregator.count, self.spec.job.min_quorum,
+                self.job.id,
+                round_no,
+                aggregator.count,
+                self.spec.job.min_quorum,
             )
             return False
         await self._commit(round_no, started, aggregator, tally)
@@ -213,4 +216,3 @@ class JobRunner:
             if vals:
                 metrics[name] = sum(v * n for v, n in vals) / total
         return metrics
-

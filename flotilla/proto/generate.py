@@ -24,7 +24,10 @@ def generate(out_dir: Path = ROOT) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed")
-    written = [out_dir / "flotilla/proto" / n for n in ("flotilla_pb2.py", "flotilla_pb2.pyi", "flotilla_pb2_grpc.py")]
+    written = [
+        out_dir / "flotilla/proto" / n
+        for n in ("flotilla_pb2.py", "flotilla_pb2.pyi", "flotilla_pb2_grpc.py")
+    ]
     return written
 
 

@@ -52,9 +52,7 @@ class DevicePool:
     def expire(self, liveness_s: float) -> list[str]:
         """Mark devices silent for longer than ``liveness_s`` offline and free them."""
         now = self.clock()
-        gone = [
-            d for d, s in self._devices.items() if s.online and now - s.last_seen > liveness_s
-        ]
+        gone = [d for d, s in self._devices.items() if s.online and now - s.last_seen > liveness_s]
         for device_id in gone:
             self.leave(device_id)
         return gone

@@ -25,9 +25,7 @@ class RoundOutcome:
 class Selector(Protocol):
     """Chooses up to ``count`` devices from ``candidates`` for one round of one job."""
 
-    def select(
-        self, job_id: str, candidates: Sequence[DeviceProfile], count: int
-    ) -> list[str]: ...
+    def select(self, job_id: str, candidates: Sequence[DeviceProfile], count: int) -> list[str]: ...
 
     def observe(self, outcome: RoundOutcome) -> None: ...
 

@@ -18,7 +18,6 @@ from flotilla.core.update import Update
 from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
-from flotilla.server import auth
 
 if TYPE_CHECKING:
     from flotilla.server.app import FederationServer
@@ -50,7 +49,9 @@ class AgentService(pb_grpc.AgentServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
             raise  # unreachable: abort raises
 
-    async def Enrol(self, request: pb.EnrolRequest, context: grpc.aio.ServicerContext) -> pb.EnrolReply:
+    async def Enrol(
+        self, request: pb.EnrolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EnrolReply:
         if request.protocol_version != PROTOCOL_VERSION:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -77,7 +78,9 @@ class AgentService(pb_grpc.AgentServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "speed test too long")
         return pb.SpeedReply(bytes=total, seconds=time.perf_counter() - start)
 
-    async def Poll(self, request: pb.PollRequest, context: grpc.aio.ServicerContext) -> pb.PollReply:
+    async def Poll(
+        self, request: pb.PollRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PollReply:
         device = await self._device(context)
         profile = request.profile if request.HasField("profile") else None
         await self.server.device_seen(device, profile)
@@ -129,9 +132,7 @@ class AgentService(pb_grpc.AgentServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.SubmitReply(accepted=True, detail="aggregated")
 
-    async def _receive(
-        self, device: DeviceRecord, chunks: AsyncIterator[pb.UpdateChunk]
-    ) -> None:
+    async def _receive(self, device: DeviceRecord, chunks: AsyncIterator[pb.UpdateChunk]) -> None:
         first = await anext(aiter(chunks), None)
         if first is None or first.WhichOneof("part") != "header":
             raise WireError("the first message of an update must be its header")
@@ -162,7 +163,9 @@ class AgentService(pb_grpc.AgentServicer):
             remaining = max(1.0, rnd.task.deadline - time.time() + 5.0)
             await gateway.deliver(rnd, update, remaining)
 
-    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
+    async def Leave(
+        self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LeaveReply:
         device = await self._device(context)
         self.server.gateway.fail(device.id, f"left: {request.reason or 'no reason given'}")
         self.server.pool.leave(device.id)

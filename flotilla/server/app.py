@@ -162,7 +162,9 @@ class FederationServer:
         self._devices[device_id] = record
         return device_id, credential
 
-    async def authenticate_device(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> DeviceRecord:
+    async def authenticate_device(
+        self, metadata: Sequence[tuple[str, str | bytes]] | None
+    ) -> DeviceRecord:
         md = tuple(metadata or ())
         device_id, secret = auth.header(md, "x-flotilla-device"), auth.bearer(md)
         if not device_id or not secret:
@@ -176,7 +178,9 @@ class FederationServer:
             raise AuthError("device credentials refused")
         return record
 
-    async def authenticate_operator(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> None:
+    async def authenticate_operator(
+        self, metadata: Sequence[tuple[str, str | bytes]] | None
+    ) -> None:
         token = auth.bearer(tuple(metadata or ()))
         if not token or not await self.store.has_operator_token(auth.hash_secret(token)):
             raise AuthError("operator token refused")
@@ -279,4 +283,3 @@ class FederationServer:
             offset += len(data)
         if size == 0:
             raise NotFoundError(f"blob {sha256} is empty")
-

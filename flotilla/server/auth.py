@@ -10,7 +10,15 @@ from flotilla.core.files import write_private
 
 OPERATOR_TOKEN_FILE = "operator.token"
 
-__all__ = ["OPERATOR_TOKEN_FILE", "bearer", "hash_secret", "header", "matches", "new_secret", "write_private"]
+__all__ = [
+    "OPERATOR_TOKEN_FILE",
+    "bearer",
+    "hash_secret",
+    "header",
+    "matches",
+    "new_secret",
+    "write_private",
+]
 
 
 def new_secret() -> str:
@@ -42,4 +50,3 @@ def header(metadata: tuple[tuple[str, str | bytes], ...] | None, name: str) -> s
         if key.lower() == name:
             return value.decode() if isinstance(value, bytes) else value
     return None
-

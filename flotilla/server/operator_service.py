@@ -80,7 +80,9 @@ class OperatorService(pb_grpc.OperatorServicer):
         jobs = await self.server.store.list_jobs()
         return pb.ListJobsReply(jobs=[job_info(j) for j in jobs])
 
-    async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.JobInfo:
+    async def GetJob(
+        self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext
+    ) -> pb.JobInfo:
         await self._operator(context)
         job = await self._job(request.job_id, context)
         rounds = await self.server.store.list_rounds(job.id) if request.with_rounds else None

@@ -1,0 +1,40 @@
+# Two commands work on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: demo test lint bench proto clean venv torch
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+venv: $(PY)
+
+# torch is installed only when missing: a pinned CPU build, never a multi-GB default.
+torch: $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_VERSION)
+
+demo: torch
+	$(PIP) install -q -e ".[agent,server]"
+	$(VENV)/bin/flotilla demo
+
+test: torch
+	$(PIP) install -q -e ".[dev]"
+	$(MAKE) --no-print-directory lint
+	$(PY) -m pytest -q
+
+lint:
+	$(VENV)/bin/ruff check flotilla tests benchmarks
+	$(VENV)/bin/ruff format --check flotilla tests benchmarks
+	$(VENV)/bin/mypy
+
+bench:
+	$(PY) benchmarks/federation.py --quick
+
+proto:
+	$(PY) -m flotilla.proto.generate
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

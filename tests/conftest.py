@@ -1,0 +1,211 @@
+"""Real processes on 127.0.0.1: a `flotilla server`, `flotilla client` agents, the operator CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+DIGITS = "flotilla.tasks.digits:DigitsTask"
+POSTGRES_URL = os.environ.get("FLOTILLA_TEST_POSTGRES_URL")
+
+
+def database_params() -> list[str]:
+    """SQLite always; PostgreSQL too when FLOTILLA_TEST_POSTGRES_URL is set."""
+    return ["sqlite", "postgres"] if POSTGRES_URL else ["sqlite"]
+
+
+def flotilla(
+    *args: str, timeout: float = 60.0, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run the CLI as a user would."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "flotilla", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"flotilla {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@dataclass
+class ServerProcess:
+    state_dir: Path
+    db_url: str | None = None
+    port: int = 0
+    extra: tuple[str, ...] = ("--liveness", "6")
+    proc: subprocess.Popen[str] | None = None
+    log: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log = self.state_dir.parent / f"{self.state_dir.name}-server.log"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> None:
+        cmd = [
+            sys.executable, "-m", "flotilla", "server",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--state-dir", str(self.state_dir), *self.extra,
+        ]  # fmt: skip
+        if self.db_url:
+            cmd += ["--db", self.db_url]
+        out = self.log.open("a")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out, text=True)
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
+                self.port = int(match.group(1))
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        raise AssertionError(f"server did not start:\n{self.log.read_text()}")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def token(self) -> str:
+        args = ["server", "token", "create", "--state-dir", str(self.state_dir)]
+        if self.db_url:
+            args += ["--db", self.db_url]
+        return flotilla(*args).stdout.strip().splitlines()[-1]
+
+    def operator(
+        self, *args: str, timeout: float = 60.0, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        return flotilla(
+            *args, "--server", self.address, "--state-dir", str(self.state_dir),
+            timeout=timeout, check=check,
+        )  # fmt: skip
+
+    def submit(self, spec: Path, *overrides: str) -> str:
+        sets = [item for o in overrides for item in ("--set", o)]
+        out = self.operator("job", "submit", str(spec), *sets).stdout
+        return out.strip().splitlines()[-1]
+
+    def status(self, job_id: str, rounds: bool = False) -> dict:
+        args = ["job", "status", job_id, "--json"] + (["--rounds"] if rounds else [])
+        return json.loads(self.operator(*args).stdout)
+
+    def wait_for(
+        self, job_id: str, timeout: float, states: tuple[str, ...] = ("completed",)
+    ) -> dict:
+        deadline = time.monotonic() + timeout
+        status: dict = {}
+        while time.monotonic() < deadline:
+            status = self.status(job_id)
+            if status["state"] in states or status["state"] in ("failed", "cancelled"):
+                return status
+            time.sleep(1.0)
+        raise AssertionError(
+            f"job {job_id} not done in {timeout}s: {status}\n{self.log.read_text()[-3000:]}"
+        )
+
+
+@dataclass
+class AgentFleet:
+    server: ServerProcess
+    token: str
+    logs: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, count: int, task: str = DIGITS, extra: tuple[str, ...] = ()) -> None:
+        for i in range(count):
+            log = (self.logs / f"agent-{len(self.procs)}.log").open("ab")
+            cmd = [
+                sys.executable, "-m", "flotilla", "client",
+                "--server", self.server.address, "--token", self.token,
+                "--task", task, "--shard", f"{i}/{count}", *extra,
+            ]  # fmt: skip
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+
+    def alive(self) -> int:
+        return sum(p.poll() is None for p in self.procs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _wipe_postgres(url: str) -> None:
+    import asyncio
+
+    from flotilla.server.store import Store
+
+    async def wipe() -> None:
+        store = await Store.open(url)
+        await store.wipe()
+        await store.close()
+
+    asyncio.run(wipe())
+
+
+@pytest.fixture(params=database_params())
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
+    """None means the server's default SQLite file in its state dir."""
+    if request.param == "postgres":
+        assert POSTGRES_URL is not None
+        _wipe_postgres(POSTGRES_URL)
+        return POSTGRES_URL
+    return None
+
+
+@pytest.fixture
+def server(tmp_path: Path, db_url: str | None) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path / "state", db_url)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def sqlite_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path / "state")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def fleet(server: ServerProcess, tmp_path: Path) -> Iterator[AgentFleet]:
+    agents = AgentFleet(server, server.token(), tmp_path)
+    yield agents
+    agents.stop()
+
+
+@pytest.fixture
+def digits_spec() -> Path:
+    return Path(__file__).resolve().parent.parent / "examples" / "digits.toml"

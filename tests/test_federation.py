@@ -1,0 +1,197 @@
+"""A real federation end to end: server and agent processes on 127.0.0.1, real data."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.conftest import DIGITS, AgentFleet, ServerProcess, flotilla
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def participations(server: ServerProcess) -> list:
+    import asyncio
+
+    from flotilla.server.store import Store, default_url
+
+    async def read() -> list:
+        store = await Store.open(server.db_url or default_url(server.state_dir))
+        try:
+            return await store.list_participations()
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def test_five_agents_learn_digits(
+    server: ServerProcess, fleet: AgentFleet, digits_spec: Path, tmp_path: Path
+) -> None:
+    fleet.start(5)
+    job_id = server.submit(digits_spec, "job.rounds=20", "data.alpha=0.5", "job.name=five")
+    status = server.wait_for(job_id, timeout=300)
+    assert status["state"] == "completed", status
+    assert status["rounds_committed"] == status["rounds_total"] == 20
+    assert status["metrics"]["accuracy"] >= 0.90, status
+
+    detailed = server.status(job_id, rounds=True)
+    rounds = detailed["rounds"]
+    assert [r["round"] for r in rounds] == list(range(1, 21))
+    for r in rounds:
+        assert set(r) >= {"round", "metrics", "participants", "started_at", "committed_at"}
+        assert 2 <= len(r["participants"]) <= 4
+        assert r["started_at"] <= r["committed_at"]
+    assert {"id", "name", "state", "rounds_committed", "rounds_total", "metrics"} <= set(detailed)
+
+    listing = json.loads(server.operator("job", "list", "--json").stdout)
+    assert [j["id"] for j in listing] == [job_id]
+
+    out = tmp_path / "model.safetensors"
+    server.operator("job", "export", job_id, "--out", str(out))
+    exported = load_file(str(out))
+    assert exported and all(np.isfinite(v).all() for v in exported.values())
+
+
+def test_two_jobs_share_eight_agents_without_overlap(
+    server: ServerProcess, fleet: AgentFleet, digits_spec: Path
+) -> None:
+    fleet.start(8)
+    jobs = [
+        server.submit(
+            digits_spec,
+            "job.rounds=20",
+            "job.clients_per_round=4",
+            f"job.name=j{i}",
+            f"job.seed={i}",
+        )
+        for i in range(2)
+    ]
+    for job_id in jobs:
+        status = server.wait_for(job_id, timeout=400)
+        assert status["state"] == "completed", status
+        assert status["metrics"]["accuracy"] >= 0.90, status
+
+    rows = participations(server)
+    assert {r.job_id for r in rows} == set(jobs)
+    by_device: dict[str, list] = {}
+    for r in rows:
+        by_device.setdefault(r.device_id, []).append(r)
+    for device, spans in by_device.items():
+        spans.sort(key=lambda r: r.started_at)
+        for a, b in itertools.pairwise(spans):
+            if a.job_id != b.job_id:
+                assert a.finished_at <= b.started_at, f"{device} served two jobs at once: {a} {b}"
+
+
+def test_kill_9_mid_round_then_restart_resumes(
+    server: ServerProcess, fleet: AgentFleet, digits_spec: Path
+) -> None:
+    fleet.start(5)
+    job_id = server.submit(digits_spec, "job.rounds=12", "job.name=crashy")
+    deadline = time.monotonic() + 120
+    while server.status(job_id)["rounds_committed"] < 4:
+        assert time.monotonic() < deadline, "job did not start"
+        time.sleep(0.3)
+    before = {r.device_id for r in participations(server)}
+    server.kill9()
+    time.sleep(1.0)
+    assert fleet.alive() == 5, "agents must survive the server's death"
+    server.start()  # same state dir, same port
+    status = server.wait_for(job_id, timeout=300)
+    assert status["state"] == "completed", status
+
+    rounds = server.status(job_id, rounds=True)["rounds"]
+    assert [r["round"] for r in rounds] == list(range(1, 13)), "each round exactly once"
+    rows = participations(server)
+    keys = [(r.round, r.device_id) for r in rows]
+    assert len(keys) == len(set(keys))
+    last = max(r["committed_at"] for r in rounds)
+    after = {r.device_id for r in rows if r.finished_at > last - 5}
+    assert after and after <= before, "the same agents came back by themselves"
+    assert fleet.alive() == 5
+
+
+def test_agent_killed_mid_upload_leaves_nothing(
+    server: ServerProcess, fleet: AgentFleet, digits_spec: Path
+) -> None:
+    token = fleet.token
+    half = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("half_upload_agent.py")),
+            server.address,
+            token,
+            DIGITS,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert half.stdout is not None
+    dying_device = half.stdout.readline().strip()
+    assert dying_device.startswith("dev-")
+    fleet.start(4)
+    time.sleep(4.0)  # let the honest agents enrol so all five are selected
+    job_id = server.submit(
+        digits_spec,
+        "job.rounds=3",
+        "job.clients_per_round=5",
+        "job.min_quorum=3",
+        "job.round_deadline_s=30",
+        "job.name=halfway",
+    )
+    half.wait(120)
+    assert half.returncode == -9, "the agent died by SIGKILL mid-upload"
+    status = server.wait_for(job_id, timeout=180)
+    assert status["state"] == "completed", status
+    rows = participations(server)
+    assert rows and dying_device not in {r.device_id for r in rows}
+    rounds = server.status(job_id, rounds=True)["rounds"]
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    blobs = [p for p in (server.state_dir / "blobs").rglob("*") if p.is_file()]
+    assert len(blobs) == 4, "round 0 and three committed checkpoints, no partial upload"
+    assert not [p for p in blobs if p.name.startswith(".tmp")]
+
+
+def test_ctrl_c_leaves_cleanly_and_cancel_stops_a_job(
+    server: ServerProcess, fleet: AgentFleet, digits_spec: Path
+) -> None:
+    fleet.start(2)
+    job_id = server.submit(
+        digits_spec, "job.rounds=500", "job.clients_per_round=2", "job.name=long"
+    )
+    deadline = time.monotonic() + 120
+    while server.status(job_id)["rounds_committed"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    cancelled = server.operator("job", "cancel", job_id).stdout
+    assert "cancelled" in cancelled
+    committed = server.status(job_id)["rounds_committed"]
+    time.sleep(1.5)
+    status = server.status(job_id)
+    assert status["state"] == "cancelled" and status["rounds_committed"] == committed
+
+    agent = fleet.procs[0]
+    started = time.monotonic()
+    agent.send_signal(2)  # SIGINT, as Ctrl-C
+    assert agent.wait(15) == 0
+    assert time.monotonic() - started < 15
+    assert "left (agent stopped)" in server.log.read_text()
+
+
+def test_cli_help_for_every_command() -> None:
+    for args in (
+        [], ["server"], ["server", "token", "create"], ["client"], ["job"],
+        ["job", "submit"], ["job", "list"], ["job", "status"], ["job", "cancel"],
+        ["job", "export"], ["demo"],
+    ):  # fmt: skip
+        out = flotilla(*args, "--help").stdout
+        assert "usage: flotilla" in out
