@@ -24,6 +24,7 @@ class StreamingFedAvg:
         self._sum: ModelState = {s.name: np.zeros(s.shape, dtype=np.float32) for s in layout}
         self._weight = 0.0
         self._count = 0
+        self._finalized = False
 
     @property
     def count(self) -> int:
@@ -34,6 +35,7 @@ class StreamingFedAvg:
         return self._weight
 
     def add(self, delta: Mapping[str, np.ndarray], weight: float) -> None:
+        self._check_open()
         if not weight > 0 or not np.isfinite(weight):
             raise UpdateRejected(f"update weight must be a positive number, got {weight!r}")
         for spec in self._layout:
@@ -48,6 +50,7 @@ class StreamingFedAvg:
 
     def finalize(self, model: Mapping[str, np.ndarray]) -> ModelState:
         """``model + server_lr * weighted mean(delta)``, reusing the accumulators."""
+        self._check_open()
         if self._count == 0:
             raise UpdateRejected("no updates to aggregate")
         scale = np.float32(self._server_lr / self._weight)
@@ -57,4 +60,11 @@ class StreamingFedAvg:
             acc += np.asarray(model[name], dtype=np.float32)
             out[name] = acc.astype(model[name].dtype, copy=False)
         self._sum = {}
+        self._finalized = True
         return out
+
+    def _check_open(self) -> None:
+        # finalize hands its accumulators out as the new model; a second use would fold
+        # into nothing and return an empty model without complaint.
+        if self._finalized:
+            raise RuntimeError("this aggregator was finalized; make one per round")

@@ -9,6 +9,7 @@ data and returns zero-copy views, so hostile bytes can neither allocate nor exec
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ DTYPES: dict[str, np.dtype] = {
 _NAMES = {dt: name for name, dt in DTYPES.items()}
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_TENSORS = 100_000
+#: Most dimensions a tensor may have (numpy 1.x supports 32).
+MAX_DIMS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +49,8 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * DTYPES[self.dtype].itemsize
+        # Python ints: a hostile shape must not wrap around int64 to match a small span.
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
 def state_spec(state: Mapping[str, np.ndarray]) -> tuple[TensorSpec, ...]:
@@ -71,7 +75,7 @@ def encode_state(state: Mapping[str, np.ndarray]) -> bytes:
     offset = 0
     arrays = []
     for name, value in state.items():
-        arr = np.ascontiguousarray(value)
+        arr = np.asarray(value, order="C")  # ascontiguousarray would turn 0-d into (1,)
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         dtype = _dtype_name(arr.dtype)
@@ -108,7 +112,7 @@ def read_header(
         raise WireError(f"safetensors header length {hlen} is out of bounds")
     try:
         header = json.loads(bytes(view[8 : 8 + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, huge ints, deep nesting
         raise WireError(f"safetensors header is not valid JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise WireError("safetensors header must be a JSON object")
@@ -138,10 +142,12 @@ def _entry(name: object, entry: object, data_len: int) -> tuple[TensorSpec, tupl
     if not isinstance(name, str) or not isinstance(entry, dict):
         raise WireError("malformed safetensors header entry")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise WireError(f"tensor {name!r}: dtype {dtype!r} not allowed")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)
     ):
         raise WireError(f"tensor {name!r}: bad shape {shape!r}")
     if (
@@ -169,7 +175,7 @@ def decode_state(
     specs, spans, start = read_header(buf, max_bytes)
     if expected is not None:
         check_layout(specs, expected)
-    view = memoryview(buf)
+    view = memoryview(buf).toreadonly()
     out: ModelState = {}
     by_name = {s.name: (s, span) for s, span in zip(specs, spans, strict=True)}
     order = [s.name for s in expected] if expected is not None else [s.name for s in specs]

@@ -14,6 +14,8 @@ def generate(out_dir: Path = ROOT) -> list[Path]:
     from grpc_tools import protoc
 
     proto = HERE / "flotilla.proto"
+    out_dir = Path(out_dir)
+    (out_dir / "flotilla" / "proto").mkdir(parents=True, exist_ok=True)  # protoc will not
     args = [
         "grpc_tools.protoc",
         f"-I{ROOT}",

@@ -13,7 +13,7 @@ from flotilla.core.blobs import BlobAssembler
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, StaleRoundError, UpdateRejected, WireError
 from flotilla.core.records import DeviceRecord
-from flotilla.core.tensors import decode_state
+from flotilla.core.tensors import check_finite, decode_state
 from flotilla.core.update import Update
 from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
@@ -152,6 +152,9 @@ class AgentService(pb_grpc.AgentServicer):
                 assembler.add(msg.data)
             payload = assembler.finish()
             delta = decode_state(payload, expected=rnd.task.layout, max_bytes=limit)
+            # Refuse here, before delivery: a refusal from the engine would cost the device
+            # its place in the round, so it could not send a corrected update.
+            check_finite(delta)
             update = Update(
                 job_id=head.job_id,
                 round=head.round,

@@ -13,6 +13,7 @@ from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecEr
 from flotilla.core.spec import JobSpec
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
+from flotilla.proto.channel import open_channel
 
 _ERRORS: dict[grpc.StatusCode, type[FlotillaError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthError,
@@ -69,8 +70,6 @@ class RemoteServer:
     timeout_s: float = 30.0
 
     async def __aenter__(self) -> RemoteServer:
-        from flotilla.client.channel import open_channel
-
         self._channel = open_channel(self.target, self.tls_ca)
         self._stub = pb_grpc.OperatorStub(self._channel)
         return self

@@ -7,9 +7,11 @@ Module map:
   torch <-> numpy model-state conversion.
 - :mod:`flotilla.tasks.digits` -- :class:`DigitsTask`, the offline reference task (MLP on
   scikit-learn's 8x8 digits, Dirichlet non-IID shards).
+- :mod:`flotilla.tasks.synthetic` -- :class:`Linear100K` and :class:`Linear10M`, load-testing
+  tasks (one linear layer on a few random examples) for benchmarks.
 
 Importing this package does not import torch or scikit-learn, so torch-free processes (the
-server, light devices) can use the helpers; ``DigitsTask`` is imported on first access.
+server, light devices) can use the helpers; the tasks are imported on first access.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ from flotilla.tasks.base import (
 
 if TYPE_CHECKING:
     from flotilla.tasks.digits import DigitsTask
+    from flotilla.tasks.synthetic import Linear10M, Linear100K
 
 __all__ = [
     "DigitsTask",
     "Examples",
+    "Linear10M",
+    "Linear100K",
     "LocalData",
     "Shard",
     "Task",
@@ -42,11 +47,15 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Import ``DigitsTask`` (and so torch) only when someone asks for it."""
+    """Import a task (and so torch) only when someone asks for it."""
     if name == "DigitsTask":
         from flotilla.tasks.digits import DigitsTask
 
         return DigitsTask
+    if name in ("Linear100K", "Linear10M"):
+        from flotilla.tasks import synthetic
+
+        return getattr(synthetic, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

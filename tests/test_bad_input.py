@@ -1,0 +1,384 @@
+"""A real server fed bad input by a raw gRPC client: each refusal is clear and loses nothing.
+
+Every bad update is refused with a status code and a detail that says what is wrong; then
+the job has committed nothing, and a good update from the same device for the same round is
+still accepted and commits the round with exactly that device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from flotilla.core.blobs import sha256_hex
+from flotilla.core.spec import JobSpec
+from flotilla.core.tensors import ModelState, encode_state
+from flotilla.proto import flotilla_pb2 as pb
+from tests.live_grpc import (
+    QUICK_JOB,
+    SPEC,
+    LiveServer,
+    data_messages,
+    database_params,
+    live_server,
+    small_delta,
+    update_header,
+    update_messages,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+STALE = grpc.StatusCode.FAILED_PRECONDITION
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # ServerConfig's default, which these servers run with
+
+
+@pytest.fixture(params=database_params())
+async def live(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[LiveServer]:
+    async with live_server(tmp_path / "state", request.param) as srv:
+        yield srv
+
+
+async def refused(call: object, code: grpc.StatusCode, *needles: str) -> str:
+    """Await ``call``; it must fail with ``code`` and a detail containing every needle."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call  # type: ignore[misc]
+    err = info.value
+    details = err.details() or ""
+    assert err.code() == code, f"{err.code().name}: {details}"
+    for needle in needles:
+        assert needle.lower() in details.lower(), f"{needle!r} not in {details!r}"
+    return details
+
+
+# --- job specs ---------------------------------------------------------------------------
+
+
+async def test_submitted_spec_with_unknown_field_is_refused_by_name(live: LiveServer) -> None:
+    before = await live.snapshot()
+    good = JobSpec.load(SPEC, QUICK_JOB).to_dict()
+    typo = json.loads(json.dumps(good))
+    typo["job"]["rounds_totl"] = 3
+    unknown_section = {**good, "trainning": {"local_epochs": 2}}
+    for spec, field in ((typo, "job.rounds_totl"), (unknown_section, "trainning")):
+        call = live.operator.SubmitJob(
+            pb.SubmitJobRequest(spec_json=json.dumps(spec)), metadata=live.op_md, timeout=30
+        )
+        await refused(call, INVALID, f"unknown field '{field}'")
+    assert await live.snapshot() == before, "a refused spec wrote nothing"
+    listing = await live.operator.ListJobs(pb.ListJobsRequest(), metadata=live.op_md, timeout=10)
+    assert list(listing.jobs) == []
+
+
+async def _cli(*args: str, timeout: float = 60.0) -> tuple[int, str, str]:
+    """The CLI as a subprocess that does not block this loop (the server lives in it)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "flotilla",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_cli_submit_with_unknown_field_exits_2_naming_field_and_file(
+    tmp_path: Path,
+) -> None:
+    async with live_server(tmp_path / "state") as live:
+        spec = tmp_path / "typo.toml"
+        spec.write_text(SPEC.read_text().replace("[train]\n", "[train]\nlearning_rat = 0.1\n"))
+        where = ("--server", f"127.0.0.1:{live.port}", "--state-dir", str(live.server.state_dir))
+        rc, _, err = await _cli("job", "submit", str(spec), *where)
+        assert rc == 2, err
+        assert "train.learning_rat" in err and str(spec) in err, err
+        assert "Traceback" not in err
+
+        rc, _, err = await _cli("job", "submit", str(SPEC), "--set", "job.bogus=1", *where)
+        assert rc == 2, err
+        assert "job.bogus" in err and str(SPEC) in err, err
+        assert await live.store.list_jobs() == []
+
+
+# --- bad updates -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bad:
+    """A crafted SubmitUpdate stream and how the server must answer it."""
+
+    build: Callable[[pb.TrainTask, ModelState], list[pb.UpdateChunk]]
+    code: grpc.StatusCode
+    needles: Callable[[ModelState], tuple[str, ...]]
+
+
+def _first(model: ModelState) -> str:
+    return next(iter(model))
+
+
+def _last(model: ModelState) -> str:
+    return list(model)[-1]
+
+
+def _with(model: ModelState, name: str, value: np.ndarray) -> ModelState:
+    delta = small_delta(model)
+    delta[name] = value
+    return delta
+
+
+def _payload(model: ModelState) -> bytes:
+    return encode_state(small_delta(model))
+
+
+def _send(delta: ModelState) -> Callable[[pb.TrainTask], list[pb.UpdateChunk]]:
+    return lambda task: update_messages(task, encode_state(delta))
+
+
+def _wrong_shape(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    name = _first(m)
+    shape = (*m[name].shape[:-1], m[name].shape[-1] + 1)
+    return update_messages(task, encode_state(_with(m, name, np.zeros(shape, np.float32))))
+
+
+def _wrong_dtype(dtype: str) -> Callable[[pb.TrainTask, ModelState], list[pb.UpdateChunk]]:
+    def build(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+        name = _first(m)
+        return update_messages(task, encode_state(_with(m, name, m[name].astype(dtype))))
+
+    return build
+
+
+def _missing(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    delta = small_delta(m)
+    del delta[_last(m)]
+    return update_messages(task, encode_state(delta))
+
+
+def _extra(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    delta = small_delta(m)
+    delta["backdoor.weight"] = np.zeros((4,), np.float32)
+    return update_messages(task, encode_state(delta))
+
+
+def _poisoned(value: float, pick: Callable[[ModelState], str]) -> Callable[..., list]:
+    def build(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+        delta = small_delta(m)
+        delta[pick(m)].reshape(-1)[1] = value
+        return update_messages(task, encode_state(delta))
+
+    return build
+
+
+def _truncated(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    payload = _payload(m)
+    return [update_header(task, payload), *data_messages(payload[:-100])]
+
+
+def _header_only(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    return [update_header(task, _payload(m))]
+
+
+def _oversized_message(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    # One data message bigger than the server's max_message_bytes; the declared size is the
+    # honest one so that it is gRPC's message limit, not the size check, that trips.
+    return [update_header(task, _payload(m)), pb.UpdateChunk(data=bytes(MAX_MESSAGE_BYTES + 1024))]
+
+
+def _oversized_declared(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    payload = _payload(m)
+    return update_messages(task, payload, payload_size=2**40)
+
+
+def _sha_mismatch(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    payload = _payload(m)
+    return update_messages(task, payload, payload_sha256=sha256_hex(payload + b"x"))
+
+
+def _sha_malformed(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    return update_messages(task, _payload(m), payload_sha256="not-a-digest")
+
+
+def _data_first(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    payload = _payload(m)
+    return [*data_messages(payload), update_header(task, payload)]
+
+
+def _two_headers(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    payload = _payload(m)
+    head = update_header(task, payload)
+    return [head, head, *data_messages(payload)]
+
+
+def _headers_between(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    payload = _payload(m)
+    head = update_header(task, payload)
+    data = data_messages(payload, chunk_bytes=len(payload) // 2 + 1)
+    return [head, data[0], head, *data[1:]]
+
+
+def _not_safetensors(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    junk = np.random.default_rng(0).bytes(len(_payload(m)))
+    return update_messages(task, struct.pack("<Q", 2**62) + junk[8:])
+
+
+def _lying_offsets(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
+    # A header claiming a 1 GiB tensor while 16 bytes follow: refused before any allocation.
+    header = json.dumps({_first(m): {"dtype": "F32", "shape": [2**28], "data_offsets": [0, 2**30]}})
+    raw = header.encode() + b" " * (-len(header) % 8)
+    return update_messages(task, struct.pack("<Q", len(raw)) + raw + bytes(16))
+
+
+BAD_UPDATES: dict[str, Bad] = {
+    "truncated": Bad(_truncated, INVALID, lambda m: ("truncated",)),
+    "header-only": Bad(_header_only, INVALID, lambda m: ("truncated",)),
+    "wrong-shape": Bad(_wrong_shape, INVALID, lambda m: (repr(_first(m)), "shape")),
+    "dtype-f64": Bad(_wrong_dtype("float64"), INVALID, lambda m: (repr(_first(m)), "F64", "F32")),
+    "dtype-f16": Bad(_wrong_dtype("float16"), INVALID, lambda m: (repr(_first(m)), "F16", "F32")),
+    "missing-tensor": Bad(_missing, INVALID, lambda m: ("missing", repr(_last(m)))),
+    "extra-tensor": Bad(_extra, INVALID, lambda m: ("unexpected", "'backdoor.weight'")),
+    "nan": Bad(_poisoned(float("nan"), _first), INVALID, lambda m: ("NaN", repr(_first(m)))),
+    "inf": Bad(_poisoned(float("inf"), _last), INVALID, lambda m: ("Inf", repr(_last(m)))),
+    "minus-inf": Bad(_poisoned(float("-inf"), _first), INVALID, lambda m: ("Inf",)),
+    "message-over-limit": Bad(
+        _oversized_message, grpc.StatusCode.RESOURCE_EXHAUSTED, lambda m: ("larger than max",)
+    ),
+    "declared-size-over-limit": Bad(
+        _oversized_declared, INVALID, lambda m: (str(2**40), "exceeds the limit")
+    ),
+    "sha-mismatch": Bad(_sha_mismatch, INVALID, lambda m: ("sha256", "does not match")),
+    "sha-malformed": Bad(_sha_malformed, INVALID, lambda m: ("sha256",)),
+    "data-before-header": Bad(_data_first, INVALID, lambda m: ("first message", "header")),
+    "two-headers": Bad(_two_headers, INVALID, lambda m: ("exactly one header",)),
+    "header-mid-stream": Bad(_headers_between, INVALID, lambda m: ("exactly one header",)),
+    "empty-stream": Bad(lambda task, m: [], INVALID, lambda m: ("header",)),
+    "not-safetensors": Bad(_not_safetensors, INVALID, lambda m: ("safetensors header",)),
+    "lying-offsets": Bad(_lying_offsets, INVALID, lambda m: (repr(_first(m)), "out of bounds")),
+    "zero-samples": Bad(
+        lambda task, m: update_messages(task, _payload(m), num_samples=0),
+        INVALID,
+        lambda m: ("num_samples",),
+    ),
+    "negative-samples": Bad(
+        lambda task, m: update_messages(task, _payload(m), num_samples=-5),
+        INVALID,
+        lambda m: ("num_samples",),
+    ),
+    "unknown-codec": Bad(
+        lambda task, m: update_messages(task, _payload(m), codec="pickle"),
+        INVALID,
+        lambda m: ("codec", "pickle"),
+    ),
+    "stale-round-token": Bad(
+        lambda task, m: update_messages(task, _payload(m), round_token=uuid.uuid4().hex),
+        STALE,
+        lambda m: ("stale",),
+    ),
+    "missing-round-token": Bad(
+        lambda task, m: update_messages(task, _payload(m), round_token=""),
+        STALE,
+        lambda m: ("stale",),
+    ),
+    "wrong-round-number": Bad(
+        lambda task, m: update_messages(task, _payload(m), round=task.round + 1),
+        STALE,
+        lambda m: ("stale",),
+    ),
+    "wrong-job": Bad(
+        lambda task, m: update_messages(task, _payload(m), job_id="job-0000000000"),
+        STALE,
+        lambda m: ("stale",),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_UPDATES))
+async def test_bad_update_is_refused_and_loses_nothing(live: LiveServer, case: str) -> None:
+    bad = BAD_UPDATES[case]
+    device = await live.enrol()
+    job_id = await live.submit()
+    task = await live.poll_task(device)
+    model = await live.fetch(device, task)
+    before = await live.row_counts()
+
+    call = live.send_update(device, bad.build(task, model))
+    await refused(call, bad.code, *bad.needles(model))
+
+    await live.assert_nothing_committed(job_id)
+    assert await live.row_counts() == before, "a refused update wrote nothing"
+    await live.good_update_commits(job_id, device, task, model)
+
+
+async def test_every_bad_update_in_turn_then_a_good_one(live: LiveServer) -> None:
+    """One round survives the whole catalogue from one device, then commits its good update."""
+    device = await live.enrol()
+    job_id = await live.submit()
+    task = await live.poll_task(device)
+    model = await live.fetch(device, task)
+    for case, bad in BAD_UPDATES.items():
+        try:
+            await refused(live.send_update(device, bad.build(task, model)), bad.code)
+        except AssertionError as exc:
+            raise AssertionError(f"{case}: {exc}") from exc
+        await live.assert_nothing_committed(job_id)
+    await live.good_update_commits(job_id, device, task, model)
+
+
+async def test_update_after_the_round_committed_is_stale(live: LiveServer) -> None:
+    device = await live.enrol()
+    job_id = await live.submit()
+    task = await live.poll_task(device)
+    model = await live.fetch(device, task)
+    replay = update_messages(task, encode_state(small_delta(model)))
+    await live.good_update_commits(job_id, device, task, model)
+    committed = await live.snapshot()
+
+    await refused(live.send_update(device, replay), STALE, "stale")
+    job = await live.store.get_job(job_id)
+    assert job is not None and job.rounds_committed == 1
+    rows = await live.store.list_participations(job_id)
+    assert [(p.round, p.device_id) for p in rows] == [(1, device.device_id)]
+    after = await live.snapshot()
+    assert after["participations"] == committed["participations"]
+    assert after["rounds"] == committed["rounds"]
+
+    # The device is not wedged by its replay: it takes round 2 and finishes the job.
+    task2 = await live.poll_task(device)
+    assert task2.round == 2 and task2.round_token != task.round_token
+    model2 = await live.fetch(device, task2)
+    await live.good_update_commits(job_id, device, task2, model2)
+    await live.wait_state(job_id, "completed")
+    rows = await live.store.list_participations(job_id)
+    assert [(p.round, p.device_id) for p in rows] == [(1, device.device_id), (2, device.device_id)]
+
+
+async def test_device_not_selected_cannot_submit_into_the_round(live: LiveServer) -> None:
+    chosen = await live.enrol()
+    intruder = await live.enrol()
+    job_id = await live.submit()
+    task = await live.poll_task(chosen)
+    model = await live.fetch(chosen, task)
+    # The intruder knows the round token (say it sniffed it) and has a valid credential.
+    payload = encode_state(small_delta(model, 10.0))
+    await refused(live.send_update(intruder, update_messages(task, payload)), STALE, "stale")
+    await live.assert_nothing_committed(job_id)
+    await live.good_update_commits(job_id, chosen, task, model)
+    rows = await live.store.list_participations(job_id)
+    assert intruder.device_id not in {p.device_id for p in rows}
