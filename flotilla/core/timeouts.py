@@ -18,7 +18,7 @@ class Timeouts:
     heartbeat: float = 5.0
     #: Per-call deadline for streaming a model or an update, whatever its size.
     transfer: float = 300.0
-    operator: float = 30.0
+    operator: float = 60.0
     #: A device silent for this long is considered gone and its slot freed.
     liveness: float = 30.0
     #: Seconds between heartbeats while an agent trains.

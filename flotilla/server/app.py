@@ -245,7 +245,7 @@ class FederationServer:
             selector=RandomSelector(random.Random(self._rng.random())),
             ledger=self.store,
             blobs=self.blobs,
-            evaluator=server_evaluator(spec),
+            evaluator=None,
             clock=time.time,
             config=self.config.engine,
         )
@@ -255,6 +255,8 @@ class FederationServer:
     async def _run_job(self, runner: JobRunner) -> None:
         job_id = runner.job.id
         try:
+            # Importing a task (torch, data) takes seconds: keep it off the event loop.
+            runner.evaluator = await asyncio.to_thread(server_evaluator, runner.spec)
             await runner.run()
         except asyncio.CancelledError:
             raise

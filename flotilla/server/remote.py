@@ -67,7 +67,7 @@ class RemoteServer:
     target: str
     token: str
     tls_ca: Path | None = None
-    timeout_s: float = 30.0
+    timeout_s: float = 60.0
 
     async def __aenter__(self) -> RemoteServer:
         self._channel = open_channel(self.target, self.tls_ca)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -137,6 +138,25 @@ class DigitsTask:
         n_val = max(1, round(VAL_FRACTION * len(order)))
         val, train = order[:n_val], order[n_val:]
         return LocalData(train=_tensors(x_pool, y_pool, train), val=_tensors(x_pool, y_pool, val))
+
+    def load_path(self, path: Path, data: DataSection) -> LocalData:
+        """A device's own digits from ``--data FILE.npz``: ``x`` (N, 64) in [0, 1], ``y`` (N,)."""
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                x = np.asarray(archive["x"], dtype=np.float32)
+                y = np.asarray(archive["y"], dtype=np.int64)
+        except (OSError, KeyError, ValueError) as exc:
+            raise ValueError(
+                f"{path}: expected an .npz with arrays x (N, 64) and y (N,): {exc}"
+            ) from exc
+        if x.ndim != 2 or x.shape[1] != 64 or y.shape != (x.shape[0],) or len(y) < 2:
+            raise ValueError(f"{path}: x must be (N, 64) and y (N,), got {x.shape} and {y.shape}")
+        if not np.isfinite(x).all() or y.min() < 0 or y.max() >= NUM_CLASSES:
+            raise ValueError(f"{path}: x must be finite and labels in 0..{NUM_CLASSES - 1}")
+        order = np.random.default_rng(data.seed % 2**64).permutation(len(y))
+        n_val = max(1, round(VAL_FRACTION * len(order)))
+        val, train = order[:n_val], order[n_val:]
+        return LocalData(train=_tensors(x, y, train), val=_tensors(x, y, val))
 
     def heldout(self) -> Examples:
         _, _, x_held, y_held = self._data()
