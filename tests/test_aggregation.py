@@ -10,7 +10,7 @@ import pytest
 
 from flotilla.aggregation import StreamingFedAvg
 from flotilla.core.errors import UpdateRejected
-from flotilla.core.tensors import ModelState, state_spec
+from flotilla.core.tensors import ModelState, TensorSpec, state_spec
 
 
 def _model(rng: np.random.Generator) -> ModelState:
@@ -156,3 +156,13 @@ def test_memory_stays_one_accumulator_per_tensor() -> None:
     assert peak < 3 * model_bytes, f"peak {peak / model_bytes:.2f}x the model"
     want = sum((i + 1) * deltas[i % 3]["w"].astype(np.float64) for i in range(50)) / 1275
     np.testing.assert_allclose(out["w"], want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_aggregate_that_overflows_float32_is_refused() -> None:
+    """Finite but huge updates can sum to Inf; that model must never be committed."""
+    layout = (TensorSpec("w", "F32", (3,)),)
+    agg = StreamingFedAvg(layout)
+    agg.add({"w": np.full(3, 3e38, dtype=np.float32)}, 10.0)
+    agg.add({"w": np.full(3, 3e38, dtype=np.float32)}, 10.0)
+    with pytest.raises(UpdateRejected, match="not finite"):
+        agg.finalize({"w": np.zeros(3, dtype=np.float32)})

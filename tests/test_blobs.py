@@ -129,7 +129,6 @@ def test_corrupt_file_on_disk_is_detected(store: BlobStore) -> None:
         store.get(SHA)
 
 
-@pytest.mark.xfail(strict=True, reason="BlobStore.put trusts any existing file under the digest")
 def test_put_replaces_a_corrupt_copy(store: BlobStore) -> None:
     store.put(DATA)
     store.path(SHA).write_bytes(b"garbage")

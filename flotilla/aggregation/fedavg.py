@@ -43,8 +43,9 @@ class StreamingFedAvg:
             if arr is None or tuple(arr.shape) != spec.shape:
                 raise UpdateRejected(f"tensor {spec.name!r} missing or of the wrong shape")
         check_finite(delta)
-        for name, acc in self._sum.items():
-            acc += np.asarray(delta[name], dtype=np.float32) * np.float32(weight)
+        with np.errstate(over="ignore", invalid="ignore"):  # finalize refuses a non-finite sum
+            for name, acc in self._sum.items():
+                acc += np.asarray(delta[name], dtype=np.float32) * np.float32(weight)
         self._weight += weight
         self._count += 1
 
@@ -61,6 +62,11 @@ class StreamingFedAvg:
             out[name] = acc.astype(model[name].dtype, copy=False)
         self._sum = {}
         self._finalized = True
+        # Finite updates can still overflow float32 when summed; never commit such a model.
+        try:
+            check_finite(out)
+        except UpdateRejected as exc:
+            raise UpdateRejected(f"the aggregate is not finite: {exc}") from exc
         return out
 
     def _check_open(self) -> None:

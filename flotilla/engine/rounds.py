@@ -96,7 +96,11 @@ class JobRunner:
                 self.spec.job.min_quorum,
             )
             return False
-        await self._commit(round_no, started, aggregator, tally)
+        try:
+            await self._commit(round_no, started, aggregator, tally)
+        except UpdateRejected as exc:
+            log.warning("job %s round %d not committed: %s", self.job.id, round_no, exc)
+            return False
         return True
 
     async def _select(self) -> list[str]:

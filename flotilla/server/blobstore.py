@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ class BlobStore:
     def put(self, data: bytes | bytearray | memoryview) -> str:
         sha = sha256_hex(data)
         target = self.path(sha)
-        if target.exists():
+        if target.exists() and self._intact(target, sha):
             return sha
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
@@ -44,6 +45,15 @@ class BlobStore:
             Path(tmp).unlink(missing_ok=True)
             raise
         return sha
+
+    @staticmethod
+    def _intact(path: Path, sha256: str) -> bool:
+        """A copy already on disk counts only if it still hashes to its name."""
+        digest = hashlib.sha256()
+        with path.open("rb") as fh:
+            while chunk := fh.read(CHUNK_BYTES):
+                digest.update(chunk)
+        return digest.hexdigest() == sha256
 
     def get(self, sha256: str) -> bytes:
         try:

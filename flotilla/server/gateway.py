@@ -26,6 +26,34 @@ class OpenRound:
     #: Selected devices that have not reported yet.
     pending: set[str]
     results: asyncio.Queue[RoundResult] = field(default_factory=asyncio.Queue)
+    #: Devices whose upload timed out waiting for a verdict: told stale, so never aggregated.
+    withdrawn: set[str] = field(default_factory=set)
+
+
+class RoundStream:
+    """The engine's view of an open round; closing it (or running dry) closes the round."""
+
+    def __init__(self, gateway: Gateway, rnd: OpenRound) -> None:
+        self._gateway = gateway
+        self._rnd = rnd
+
+    def __aiter__(self) -> RoundStream:
+        return self
+
+    async def __anext__(self) -> RoundResult:
+        rnd = self._rnd
+        if rnd.task.round_token in self._gateway._rounds and (
+            rnd.pending or not rnd.results.empty()
+        ):
+            result = await rnd.results.get()
+            if isinstance(result, Delivered) and result.update.device_id in rnd.withdrawn:
+                return Failed(result.update.device_id, "update timed out waiting for a verdict")
+            return result
+        await self.aclose()
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self._gateway._close(self._rnd)
 
 
 @dataclass(slots=True)
@@ -38,22 +66,19 @@ class Gateway:
     _offers: dict[str, TrainTask] = field(default_factory=dict)
     _wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
 
-    async def dispatch(
-        self, task: TrainTask, device_ids: Sequence[str]
-    ) -> AsyncIterator[RoundResult]:
+    def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> AsyncIterator[RoundResult]:
+        """Offer the task now (so the devices stay claimed); results stream until closed."""
         rnd = OpenRound(task, self.clock(), set(device_ids))
         self._rounds[task.round_token] = rnd
         for device_id in device_ids:
             self._offers[device_id] = task
             self._wakeup(device_id).set()
-        try:
-            while rnd.pending or not rnd.results.empty():
-                yield await rnd.results.get()
-        finally:
-            self._close(rnd)
+        return RoundStream(self, rnd)
 
     def _close(self, rnd: OpenRound) -> None:
-        self._rounds.pop(rnd.task.round_token, None)
+        if self._rounds.get(rnd.task.round_token) is not rnd:
+            return
+        del self._rounds[rnd.task.round_token]
         while not rnd.results.empty():
             result = rnd.results.get_nowait()
             if isinstance(result, Delivered):
@@ -141,6 +166,7 @@ class Gateway:
         try:
             reason = await asyncio.wait_for(verdict, timeout=timeout_s)
         except asyncio.TimeoutError:
+            rnd.withdrawn.add(update.device_id)
             reason = "stale: the round did not take this update in time"
         if reason is None:
             return
