@@ -217,3 +217,21 @@ def test_json_round_trip() -> None:
 def test_from_json_refuses_bad_input(text: str, message: str) -> None:
     with _raises("<db>", message):
         JobSpec.from_json(text, source="<db>")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [("train.momentum=-0.1", "train.momentum"), ("train.momentum=1.0", "train.momentum"),
+     ("train.weight_decay=-1", "train.weight_decay")],
+)  # fmt: skip
+def test_optimizer_ranges_are_checked(override: str, message: str) -> None:
+    data: dict = {}
+    apply_override(data, override)
+    with pytest.raises(SpecError, match=message):
+        JobSpec.from_dict(data)
+
+
+def test_a_date_like_override_stays_text() -> None:
+    data: dict = {}
+    apply_override(data, "job.name=1979-05-27")
+    assert JobSpec.from_dict(data).job.name == "1979-05-27"

@@ -140,6 +140,10 @@ def _check_job(spec: JobSpec) -> None:
     for name, value in positive.items():
         if not value > 0 or not math.isfinite(value):
             raise SpecError(f"{name} must be a finite number > 0, got {value!r}")
+    if not 0.0 <= train.momentum < 1.0:
+        raise SpecError(f"train.momentum must be in [0, 1), got {train.momentum!r}")
+    if not train.weight_decay >= 0.0 or not math.isfinite(train.weight_decay):
+        raise SpecError(f"train.weight_decay must be >= 0, got {train.weight_decay!r}")
     if job.over_selection < 1.0 or not math.isfinite(job.over_selection):
         raise SpecError(f"job.over_selection must be >= 1.0, got {job.over_selection!r}")
     if job.min_quorum > job.clients_per_round:
@@ -163,6 +167,8 @@ def apply_override(data: dict[str, Any], item: str, source: str = "<overrides>")
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
+    if not isinstance(value, (str, int, float, bool, list)):
+        value = raw.strip()  # e.g. a TOML date: spec fields never hold one, so keep the text
     node = data
     for part in parts[:-1]:
         child = node.setdefault(part, {})
