@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,47 @@ class Device:
         )
 
 
+async def refused(call: Awaitable[Any], code: grpc.StatusCode, *needles: str) -> str:
+    """Await ``call``: it must fail with ``code`` and details containing every needle."""
+    with pytest.raises(grpc.RpcError) as info:
+        await call
+    err: Any = info.value  # an AioRpcError or the sync client's error; both are grpc.Call
+    details = err.details() or ""
+    assert err.code() == code, f"{err.code().name}: {details}"
+    for needle in needles:
+        assert needle.lower() in details.lower(), f"{needle!r} not in {details!r}"
+    return str(details)
+
+
+@dataclass(frozen=True)
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+async def run_cli(*args: str, timeout: float = 60.0) -> CliResult:
+    """``python -m flotilla ARGS`` without blocking this loop, which serves the server."""
+    started = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "flotilla",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"flotilla {' '.join(args)} still running after {timeout}s") from None
+    assert proc.returncode is not None
+    return CliResult(proc.returncode, out.decode(), err.decode(), time.monotonic() - started)
+
+
 def small_delta(model: ModelState, value: float = 1e-3) -> ModelState:
     """A well-formed update: every tensor the model's shape and dtype, small finite values."""
     return {name: np.full(arr.shape, value, dtype=arr.dtype) for name, arr in model.items()}
@@ -110,19 +152,24 @@ def data_messages(payload: bytes, chunk_bytes: int = 64 * 1024) -> list[pb.Updat
     return [pb.UpdateChunk(data=bytes(p)) for p in iter_chunks(payload, chunk_bytes)]
 
 
-async def _stream(messages: Iterable[Any]) -> AsyncIterator[Any]:
-    for m in messages:
-        yield m
-
-
 class LiveServer:
-    """A started :class:`FederationServer` plus stubs on a plaintext or TLS channel."""
+    """A started :class:`FederationServer` plus stubs on a plaintext or TLS channel.
 
-    def __init__(self, server: FederationServer, channel: grpc.aio.Channel) -> None:
+    Client-streaming calls go through a synchronous channel in a worker thread: when a
+    server refuses such a call before the client has sent everything (as it must for a bad
+    credential or header), grpc.aio's client may report INTERNAL "Failed execute_batch"
+    instead of the server's status (grpc/grpc#36066). The sync client reports it faithfully.
+    """
+
+    def __init__(
+        self, server: FederationServer, channel: grpc.aio.Channel, sync_channel: grpc.Channel
+    ) -> None:
         self.server = server
         self.channel = channel
+        self.sync_channel = sync_channel
         self.agent = pb_grpc.AgentStub(channel)
         self.operator = pb_grpc.OperatorStub(channel)
+        self.sync_agent = pb_grpc.AgentStub(sync_channel)
         self.operator_token = (server.state_dir / auth.OPERATOR_TOKEN_FILE).read_text().strip()
         self._engine = create_async_engine(async_url(server.db_url))
 
@@ -141,6 +188,7 @@ class LiveServer:
     async def close(self) -> None:
         await self._engine.dispose()
         await self.channel.close(None)
+        self.sync_channel.close()
 
     # --- database ------------------------------------------------------------------------
 
@@ -237,10 +285,21 @@ class LiveServer:
         return decode_state(bytes(assembler.finish()))
 
     async def send_update(
-        self, device: Device, messages: Iterable[pb.UpdateChunk]
+        self,
+        device: Device | None,
+        messages: Iterable[pb.UpdateChunk],
+        metadata: Sequence[tuple[str, str]] | None = None,
     ) -> pb.SubmitReply:
-        return await self.agent.SubmitUpdate(
-            _stream(list(messages)), metadata=device.md, timeout=RPC_TIMEOUT
+        """SubmitUpdate with ``device``'s credential, or with ``metadata`` as given."""
+        md = tuple(metadata if metadata is not None else device.md if device else ())
+        return await self.stream_call(self.sync_agent.SubmitUpdate, list(messages), md)
+
+    async def stream_call(
+        self, method: Any, messages: Iterable[Any], metadata: Sequence[tuple[str, str]]
+    ) -> Any:
+        """A client-streaming call on the sync channel, off this loop (see the class doc)."""
+        return await asyncio.to_thread(
+            method, iter(messages), metadata=tuple(metadata), timeout=RPC_TIMEOUT
         )
 
     async def good_update_commits(
@@ -297,9 +356,11 @@ async def live_server(
     if tls:
         creds = grpc.ssl_channel_credentials(root_certificates=tls[2].read_bytes())
         channel = grpc.aio.secure_channel(f"localhost:{port}", creds, options=CLIENT_OPTIONS)
+        sync_channel = grpc.secure_channel(f"127.0.0.1:{port}", creds, options=CLIENT_OPTIONS)
     else:
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CLIENT_OPTIONS)
-    live = LiveServer(server, channel)
+        sync_channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CLIENT_OPTIONS)
+    live = LiveServer(server, channel, sync_channel)
     try:
         yield live
     finally:

@@ -12,7 +12,6 @@ import datetime
 import ipaddress
 import os
 import stat
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -43,6 +42,8 @@ from tests.live_grpc import (
     LiveServer,
     database_params,
     live_server,
+    refused,
+    run_cli,
     small_delta,
     update_messages,
 )
@@ -56,21 +57,6 @@ UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 async def live(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[LiveServer]:
     async with live_server(tmp_path / "state", request.param) as srv:
         yield srv
-
-
-async def refused(call: Any, code: grpc.StatusCode, *needles: str) -> str:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call
-    details = info.value.details() or ""
-    assert info.value.code() == code, f"{info.value.code().name}: {details}"
-    for needle in needles:
-        assert needle.lower() in details.lower(), f"{needle!r} not in {details!r}"
-    return details
-
-
-async def _stream(items: list[Any]) -> AsyncIterator[Any]:
-    for item in items:
-        yield item
 
 
 async def _drain(call: Any) -> None:
@@ -130,9 +116,9 @@ def _agent_calls(live: LiveServer, t: Target) -> dict[str, Callable[[Any], Any]]
                 timeout=10,
             )
         ),
-        "SubmitUpdate": lambda md: a.SubmitUpdate(_stream(t.update), metadata=md, timeout=10),
-        "SpeedTest": lambda md: a.SpeedTest(
-            _stream([pb.SpeedChunk(data=bytes(1024))] * 4), metadata=md, timeout=10
+        "SubmitUpdate": lambda md: live.send_update(None, t.update, md),
+        "SpeedTest": lambda md: live.stream_call(
+            live.sync_agent.SpeedTest, [pb.SpeedChunk(data=bytes(1024))] * 4, md
         ),
         "Leave": lambda md: a.Leave(pb.LeaveRequest(reason="stolen"), metadata=md, timeout=10),
     }
@@ -227,30 +213,9 @@ async def test_refused_enrolment_creates_no_device(live: LiveServer) -> None:
     assert [d.id for d in await live.store.list_devices()] == [device.device_id]
 
 
-async def _cli(*args: str, timeout: float = 60.0) -> tuple[int, str, str, float]:
-    """The CLI as a subprocess that does not block this loop (the server lives in it)."""
-    started = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "flotilla",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise AssertionError(f"flotilla {' '.join(args)} still running after {timeout}s") from None
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode(), time.monotonic() - started
-
-
 async def test_cli_client_with_a_wrong_token_exits_quickly(tmp_path: Path) -> None:
     async with live_server(tmp_path / "state") as live:
-        rc, _, err, elapsed = await _cli(
+        result = await run_cli(
             "client",
             "--server", f"127.0.0.1:{live.port}",
             "--token", "WRONG",
@@ -258,8 +223,9 @@ async def test_cli_client_with_a_wrong_token_exits_quickly(tmp_path: Path) -> No
             "--shard", "0/1",
             timeout=30,
         )  # fmt: skip
-        assert rc != 0, err
-        assert elapsed < 30
+        err = result.stderr
+        assert result.returncode != 0, result
+        assert result.seconds < 30
         assert "token" in err and "refused" in err, err
         assert "Traceback" not in err, err
         assert await live.store.list_devices() == []
@@ -267,11 +233,9 @@ async def test_cli_client_with_a_wrong_token_exits_quickly(tmp_path: Path) -> No
 
 async def test_token_create_cli_mints_a_token_that_enrols(live: LiveServer) -> None:
     # No --db: the command finds the server's database through its state directory.
-    rc, out, err, _ = await _cli(
-        "server", "token", "create", "--state-dir", str(live.server.state_dir)
-    )
-    assert rc == 0, err
-    token = out.strip().splitlines()[-1]
+    result = await run_cli("server", "token", "create", "--state-dir", str(live.server.state_dir))
+    assert result.returncode == 0, result
+    token = result.stdout.strip().splitlines()[-1]
     assert len(token) >= 32 and " " not in token
     device = await live.enrol(token)
     assert device.device_id.startswith("dev-")
@@ -405,7 +369,8 @@ async def test_agent_completes_a_round_over_tls(
         job_id = await live.submit("job.rounds=1")
         deadline = time.monotonic() + 60
         while (job := await live.get_job(job_id, with_rounds=True)).state != "completed":
-            assert not running.done(), running.exception() if running.done() else None
+            if running.done():
+                raise AssertionError(f"the agent stopped: {running.exception()!r}")
             assert time.monotonic() < deadline, f"job not completed over TLS: {job}"
             await asyncio.sleep(0.2)
         assert job.rounds_committed == 1

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
-import sys
+import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +24,17 @@ from flotilla.core.blobs import sha256_hex
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import ModelState, encode_state
 from flotilla.proto import flotilla_pb2 as pb
+from flotilla.server.app import ServerConfig
 from tests.live_grpc import (
     QUICK_JOB,
+    RPC_TIMEOUT,
     SPEC,
     LiveServer,
     data_messages,
     database_params,
     live_server,
+    refused,
+    run_cli,
     small_delta,
     update_header,
     update_messages,
@@ -40,25 +44,13 @@ pytestmark = pytest.mark.timeout(120)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 STALE = grpc.StatusCode.FAILED_PRECONDITION
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # ServerConfig's default, which these servers run with
+MAX_MESSAGE_BYTES = ServerConfig().max_message_bytes  # what these servers run with
 
 
 @pytest.fixture(params=database_params())
 async def live(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[LiveServer]:
     async with live_server(tmp_path / "state", request.param) as srv:
         yield srv
-
-
-async def refused(call: object, code: grpc.StatusCode, *needles: str) -> str:
-    """Await ``call``; it must fail with ``code`` and a detail containing every needle."""
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call  # type: ignore[misc]
-    err = info.value
-    details = err.details() or ""
-    assert err.code() == code, f"{err.code().name}: {details}"
-    for needle in needles:
-        assert needle.lower() in details.lower(), f"{needle!r} not in {details!r}"
-    return details
 
 
 # --- job specs ---------------------------------------------------------------------------
@@ -80,26 +72,6 @@ async def test_submitted_spec_with_unknown_field_is_refused_by_name(live: LiveSe
     assert list(listing.jobs) == []
 
 
-async def _cli(*args: str, timeout: float = 60.0) -> tuple[int, str, str]:
-    """The CLI as a subprocess that does not block this loop (the server lives in it)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "flotilla",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
 async def test_cli_submit_with_unknown_field_exits_2_naming_field_and_file(
     tmp_path: Path,
 ) -> None:
@@ -107,14 +79,14 @@ async def test_cli_submit_with_unknown_field_exits_2_naming_field_and_file(
         spec = tmp_path / "typo.toml"
         spec.write_text(SPEC.read_text().replace("[train]\n", "[train]\nlearning_rat = 0.1\n"))
         where = ("--server", f"127.0.0.1:{live.port}", "--state-dir", str(live.server.state_dir))
-        rc, _, err = await _cli("job", "submit", str(spec), *where)
-        assert rc == 2, err
-        assert "train.learning_rat" in err and str(spec) in err, err
-        assert "Traceback" not in err
+        result = await run_cli("job", "submit", str(spec), *where)
+        assert result.returncode == 2, result
+        assert "train.learning_rat" in result.stderr and str(spec) in result.stderr, result
+        assert "Traceback" not in result.stderr
 
-        rc, _, err = await _cli("job", "submit", str(SPEC), "--set", "job.bogus=1", *where)
-        assert rc == 2, err
-        assert "job.bogus" in err and str(SPEC) in err, err
+        result = await run_cli("job", "submit", str(SPEC), "--set", "job.bogus=1", *where)
+        assert result.returncode == 2, result
+        assert "job.bogus" in result.stderr and str(SPEC) in result.stderr, result
         assert await live.store.list_jobs() == []
 
 
@@ -146,10 +118,6 @@ def _with(model: ModelState, name: str, value: np.ndarray) -> ModelState:
 
 def _payload(model: ModelState) -> bytes:
     return encode_state(small_delta(model))
-
-
-def _send(delta: ModelState) -> Callable[[pb.TrainTask], list[pb.UpdateChunk]]:
-    return lambda task: update_messages(task, encode_state(delta))
 
 
 def _wrong_shape(task: pb.TrainTask, m: ModelState) -> list[pb.UpdateChunk]:
@@ -309,9 +277,17 @@ BAD_UPDATES: dict[str, Bad] = {
 }
 
 
+@pytest.fixture
+async def sqlite_live(tmp_path: Path) -> AsyncIterator[LiveServer]:
+    async with live_server(tmp_path / "state") as srv:
+        yield srv
+
+
 @pytest.mark.parametrize("case", list(BAD_UPDATES))
-async def test_bad_update_is_refused_and_loses_nothing(live: LiveServer, case: str) -> None:
-    bad = BAD_UPDATES[case]
+async def test_bad_update_is_refused_and_loses_nothing(sqlite_live: LiveServer, case: str) -> None:
+    """Each case on a fresh server, so a failure names its case; the refusals happen before
+    any database write, so the next test runs the whole catalogue on every database."""
+    live, bad = sqlite_live, BAD_UPDATES[case]
     device = await live.enrol()
     job_id = await live.submit()
     task = await live.poll_task(device)
@@ -332,12 +308,14 @@ async def test_every_bad_update_in_turn_then_a_good_one(live: LiveServer) -> Non
     job_id = await live.submit()
     task = await live.poll_task(device)
     model = await live.fetch(device, task)
+    before = await live.snapshot()
     for case, bad in BAD_UPDATES.items():
         try:
             await refused(live.send_update(device, bad.build(task, model)), bad.code)
+            await live.assert_nothing_committed(job_id)
         except AssertionError as exc:
             raise AssertionError(f"{case}: {exc}") from exc
-        await live.assert_nothing_committed(job_id)
+    assert await live.snapshot() == before, "refused updates changed the database"
     await live.good_update_commits(job_id, device, task, model)
 
 
@@ -382,3 +360,96 @@ async def test_device_not_selected_cannot_submit_into_the_round(live: LiveServer
     await live.good_update_commits(job_id, chosen, task, model)
     rows = await live.store.list_participations(job_id)
     assert intruder.device_id not in {p.device_id for p in rows}
+
+
+class Stalled:
+    """An upload that sends its header and first chunk, then hangs until released."""
+
+    def __init__(self, messages: list[pb.UpdateChunk], finish: bool) -> None:
+        self.messages, self.finish = messages, finish
+        self.stuck = threading.Event()
+        self.release = threading.Event()
+
+    def __iter__(self) -> Iterator[pb.UpdateChunk]:
+        yield from self.messages[:2]
+        self.stuck.set()
+        self.release.wait(RPC_TIMEOUT)  # a phone whose link died mid-upload
+        if self.finish:
+            yield from self.messages[2:]
+
+    async def wait_stuck(self) -> None:
+        assert await asyncio.to_thread(self.stuck.wait, RPC_TIMEOUT)
+        await asyncio.sleep(0.5)  # and the server has what was sent
+
+
+async def test_a_stalled_upload_holds_up_no_other_device(sqlite_live: LiveServer) -> None:
+    live = sqlite_live
+    slow, quick = await live.enrol(), await live.enrol()
+    job_id = await live.submit("job.clients_per_round=2", "job.min_quorum=2")
+    task, _ = await asyncio.gather(live.poll_task(slow), live.poll_task(quick))
+    model = await live.fetch(slow, task)
+    stalled = Stalled(update_messages(task, encode_state(small_delta(model)), 4096), finish=True)
+    slow_call = asyncio.ensure_future(
+        live.stream_call(live.sync_agent.SubmitUpdate, stalled, slow.md)
+    )
+    try:
+        await stalled.wait_stuck()
+        good = update_messages(task, encode_state(small_delta(model)))
+        reply = await asyncio.wait_for(live.send_update(quick, good), 10)
+        assert reply.accepted, "the quick device's upload went through while the slow one hung"
+        await live.assert_nothing_committed(job_id)
+    finally:
+        stalled.release.set()
+    assert (await slow_call).accepted
+    await live.wait_committed(job_id, 1)
+    rows = await live.store.list_participations(job_id)
+    assert sorted(p.device_id for p in rows) == sorted([slow.device_id, quick.device_id])
+
+
+async def test_a_device_uploads_one_update_at_a_time(sqlite_live: LiveServer) -> None:
+    """A second stream from a device waits for its first, so it cannot multiply its buffers."""
+    live = sqlite_live
+    device = await live.enrol()
+    job_id = await live.submit()
+    task = await live.poll_task(device)
+    model = await live.fetch(device, task)
+    payload = encode_state(small_delta(model))
+    stalled = Stalled(update_messages(task, payload, 4096), finish=False)
+    first = asyncio.ensure_future(
+        live.stream_call(live.sync_agent.SubmitUpdate, stalled, device.md)
+    )
+    try:
+        await stalled.wait_stuck()
+        second = asyncio.ensure_future(live.send_update(device, update_messages(task, payload)))
+        await asyncio.sleep(1.0)
+        assert not second.done(), "a second upload ran beside the first"
+        await live.assert_nothing_committed(job_id)
+    finally:
+        stalled.release.set()
+    await refused(first, INVALID, "truncated")
+    assert (await second).accepted
+    await live.wait_committed(job_id, 1)
+    rows = await live.store.list_participations(job_id)
+    assert [(p.round, p.device_id) for p in rows] == [(1, device.device_id)]
+
+
+async def test_a_stalled_upload_is_cut_off_once_its_round_is_over(sqlite_live: LiveServer) -> None:
+    live = sqlite_live
+    device = await live.enrol()
+    job_id = await live.submit("job.round_deadline_s=1.5")
+    task = await live.poll_task(device)
+    model = await live.fetch(device, task)
+    payload = encode_state(small_delta(model))
+    stalled = Stalled(update_messages(task, payload, 4096), finish=True)
+    started = asyncio.get_running_loop().time()
+    call = live.stream_call(live.sync_agent.SubmitUpdate, stalled, device.md)
+    try:
+        await refused(call, STALE, "stale", "before this update finished uploading")
+    finally:
+        stalled.release.set()
+    # Cut off at the deadline plus the server's grace, not when the client gives up.
+    assert asyncio.get_running_loop().time() - started < RPC_TIMEOUT - 3
+    await live.assert_nothing_committed(job_id)
+    # The device is not wedged behind its dead upload: the next answer comes at once.
+    replay = asyncio.wait_for(live.send_update(device, update_messages(task, payload)), 3)
+    await refused(replay, STALE, "stale")

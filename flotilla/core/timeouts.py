@@ -19,6 +19,8 @@ class Timeouts:
     #: Per-call deadline for streaming a model or an update, whatever its size.
     transfer: float = 300.0
     operator: float = 60.0
+    #: An upload that sends nothing for this long is dropped (its buffer freed).
+    upload_idle: float = 15.0
     #: A device silent for this long is considered gone and its slot freed.
     liveness: float = 30.0
     #: Seconds between heartbeats while an agent trains.

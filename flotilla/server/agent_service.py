@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +28,8 @@ log = logging.getLogger(__name__)
 
 #: Room for a safetensors header beyond the raw tensor bytes of an update.
 HEADER_SLACK = 1024 * 1024
+#: Seconds past a round's deadline that an upload already under way may still finish in.
+UPLOAD_GRACE_S = 5.0
 
 
 def profile_from_pb(device_id: str, msg: pb.DeviceProfile) -> DeviceProfile:
@@ -38,9 +42,31 @@ def profile_from_pb(device_id: str, msg: pb.DeviceProfile) -> DeviceProfile:
     )
 
 
+class KeyedLock:
+    """One asyncio lock per key, dropped when nobody holds or awaits it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
 class AgentService(pb_grpc.AgentServicer):
     def __init__(self, server: FederationServer) -> None:
         self.server = server
+        self._uploads = KeyedLock()
 
     async def _device(self, context: grpc.aio.ServicerContext) -> DeviceRecord:
         try:
@@ -125,7 +151,10 @@ class AgentService(pb_grpc.AgentServicer):
     ) -> pb.SubmitReply:
         device = await self._device(context)
         try:
-            await self._receive(device, request_iterator)
+            # One upload per device at a time: a device opening many streams at once would
+            # otherwise get a model-sized buffer for each.
+            async with self._uploads.hold(device.id):
+                await self._receive(device, request_iterator)
         except StaleRoundError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except (WireError, UpdateRejected) as exc:
@@ -133,7 +162,12 @@ class AgentService(pb_grpc.AgentServicer):
         return pb.SubmitReply(accepted=True, detail="aggregated")
 
     async def _receive(self, device: DeviceRecord, chunks: AsyncIterator[pb.UpdateChunk]) -> None:
-        first = await anext(aiter(chunks), None)
+        try:
+            first = await asyncio.wait_for(
+                anext(aiter(chunks), None), self.server.config.timeouts.upload_idle
+            )
+        except asyncio.TimeoutError:
+            raise WireError("no update header arrived") from None
         if first is None or first.WhichOneof("part") != "header":
             raise WireError("the first message of an update must be its header")
         head = first.header
@@ -144,13 +178,20 @@ class AgentService(pb_grpc.AgentServicer):
         if head.num_samples <= 0:
             raise UpdateRejected("num_samples must be positive")
         limit = sum(s.nbytes for s in rnd.task.layout) + HEADER_SLACK
-        assembler = BlobAssembler(head.payload_size, head.payload_sha256, limit)
-        async with self.server.upload_slots:
-            async for msg in chunks:
-                if msg.WhichOneof("part") != "data":
-                    raise WireError("an update carries exactly one header")
-                assembler.add(msg.data)
-            payload = assembler.finish()
+        if not 0 <= head.payload_size <= limit:
+            raise WireError(f"update of {head.payload_size} bytes exceeds the limit of {limit}")
+        # The buffer is allocated only once the byte budget admits it, so memory is bounded
+        # however many devices upload at once; a sender that stalls is dropped.
+        async with self.server.upload_budget.hold(head.payload_size):
+            assembler = BlobAssembler(head.payload_size, head.payload_sha256, limit)
+            try:
+                payload = await asyncio.wait_for(
+                    self._read(chunks, assembler), self._time_left(rnd.task.deadline)
+                )
+            except asyncio.TimeoutError:
+                raise StaleRoundError(
+                    "stale round: the round closed before this update finished uploading"
+                ) from None
             delta = decode_state(payload, expected=rnd.task.layout, max_bytes=limit)
             # Refuse here, before delivery: a refusal from the engine would cost the device
             # its place in the round, so it could not send a corrected update.
@@ -163,8 +204,28 @@ class AgentService(pb_grpc.AgentServicer):
                 delta=delta,
                 metrics=dict(head.metrics),
             )
-            remaining = max(1.0, rnd.task.deadline - time.time() + 5.0)
-            await gateway.deliver(rnd, update, remaining)
+            await gateway.deliver(rnd, update, self._time_left(rnd.task.deadline))
+
+    async def _read(
+        self, chunks: AsyncIterator[pb.UpdateChunk], assembler: BlobAssembler
+    ) -> bytearray:
+        idle = self.server.config.timeouts.upload_idle
+        stream = aiter(chunks)
+        while True:
+            try:
+                msg = await asyncio.wait_for(anext(stream, None), idle)
+            except asyncio.TimeoutError:
+                raise WireError(f"upload stalled: no data for {idle:.0f}s") from None
+            if msg is None:
+                return assembler.finish()
+            if msg.WhichOneof("part") != "data":
+                raise WireError("an update carries exactly one header")
+            assembler.add(msg.data)
+
+    @staticmethod
+    def _time_left(deadline: float) -> float:
+        """Seconds an upload may still take: to the round's deadline, plus a little grace."""
+        return max(1.0, deadline - time.time() + UPLOAD_GRACE_S)
 
     async def Leave(
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext

@@ -28,6 +28,7 @@ from flotilla.scheduling import DevicePool, RandomSelector
 from flotilla.server import auth
 from flotilla.server.agent_service import AgentService, profile_from_pb
 from flotilla.server.blobstore import BlobStore
+from flotilla.server.budget import ByteBudget
 from flotilla.server.evaluation import initial_model, server_evaluator
 from flotilla.server.gateway import Gateway
 from flotilla.server.operator_service import OperatorService
@@ -48,8 +49,9 @@ class ServerConfig:
     tls_key: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    #: Uploads decoded at once; bounds server memory to O(model) whatever the fleet size.
-    upload_slots: int = 1
+    #: Bytes of update buffers held at once (one update always fits): bounds server memory
+    #: to O(model) whatever the fleet size, while small models still upload concurrently.
+    upload_budget_bytes: int = 64 * 1024 * 1024
     max_message_bytes: int = 8 * 1024 * 1024
     speed_test_max_bytes: int = 16 * 1024 * 1024
 
@@ -64,7 +66,7 @@ class FederationServer:
         self.blobs = BlobStore(self.state_dir / "blobs")
         self.pool = DevicePool(clock=time.time)
         self.gateway = Gateway(self.pool, time.time)
-        self.upload_slots = asyncio.Semaphore(config.upload_slots)
+        self.upload_budget = ByteBudget(config.upload_budget_bytes)
         self.store: Store
         self.port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -85,6 +87,10 @@ class FederationServer:
                 ("grpc.max_receive_message_length", self.config.max_message_bytes),
                 ("grpc.max_send_message_length", self.config.max_message_bytes),
                 ("grpc.so_reuseport", 0),
+                # Notice dead peers on idle connections instead of holding their calls open.
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ]
         )
         pb_grpc.add_AgentServicer_to_server(AgentService(self), self._grpc)
