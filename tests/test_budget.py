@@ -34,13 +34,16 @@ async def test_small_updates_share_the_budget_and_large_ones_queue() -> None:
 
 async def test_an_update_larger_than_the_budget_still_runs_alone() -> None:
     budget = ByteBudget(100)
+    second = budget.hold(1)
     async with budget.hold(1000):
         assert budget.used == 100
-        waiter = asyncio.ensure_future(budget.hold(1).__aenter__())
+        waiter = asyncio.ensure_future(second.__aenter__())
         await asyncio.sleep(0.01)
         assert not waiter.done(), "nothing else runs beside it"
     await asyncio.wait_for(waiter, 1)
     assert budget.used == 1
+    await second.__aexit__(None, None, None)
+    assert budget.used == 0
 
 
 async def test_a_cancelled_upload_returns_its_bytes() -> None:
