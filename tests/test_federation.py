@@ -97,7 +97,7 @@ def test_kill_9_mid_round_then_restart_resumes(
 ) -> None:
     fleet.start(5)
     job_id = server.submit(digits_spec, "job.rounds=12", "job.name=crashy")
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # agents import torch first; CI machines are slow
     while server.status(job_id)["rounds_committed"] < 4:
         assert time.monotonic() < deadline, "job did not start"
         time.sleep(0.3)
@@ -168,7 +168,7 @@ def test_ctrl_c_leaves_cleanly_and_cancel_stops_a_job(
     job_id = server.submit(
         digits_spec, "job.rounds=500", "job.clients_per_round=2", "job.name=long"
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while server.status(job_id)["rounds_committed"] < 1:
         assert time.monotonic() < deadline
         time.sleep(0.3)
