@@ -54,12 +54,12 @@ import numpy as np
 import psutil
 
 from flotilla.client.agent import Agent, AgentConfig
-from flotilla.client.channel import open_channel
 from flotilla.client.training import TrainOutcome
 from flotilla.core.blobs import CHUNK_BYTES
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import decode_state, encode_state
 from flotilla.proto import flotilla_pb2 as pb
+from flotilla.proto.channel import open_channel
 from flotilla.server.remote import RemoteServer
 
 MiB = 1024 * 1024
@@ -72,6 +72,10 @@ SAMPLE_EVERY_S = 0.02
 SERVER_START_S = 60.0
 AGENTS_READY_S = 120.0
 JOB_TIMEOUT_S = 600.0
+#: Passed to ``flotilla server --liveness``. The agent heartbeats only while it trains, so
+#: with the server's default (30 s) an agent whose model download plus upload takes longer
+#: is reaped mid-transfer -- which 100 agents sharing two cores do. ``--liveness`` overrides.
+LIVENESS_S = 600.0
 SINK_SERVICE = "flotilla.bench.Sink"
 
 MODELS: dict[str, tuple[str, int]] = {
@@ -217,6 +221,23 @@ class RssMonitor:
         return 0
 
 
+class CpuClock:
+    """CPU seconds (user + system) a child and this process spend from now on."""
+
+    def __init__(self, pid: int) -> None:
+        self._procs = (psutil.Process(pid), psutil.Process())
+        self._start = tuple(self._seconds(p) for p in self._procs)
+
+    @staticmethod
+    def _seconds(proc: psutil.Process) -> float:
+        t = proc.cpu_times()
+        return float(t.user + t.system)
+
+    def elapsed(self) -> tuple[float, float]:
+        server, here = (self._seconds(p) - s for p, s in zip(self._procs, self._start, strict=True))
+        return server, here
+
+
 # --- agents --------------------------------------------------------------------------------
 
 
@@ -279,13 +300,15 @@ async def wait_until(what: str, ready: Callable[[], bool], timeout_s: float) -> 
 # --- one federation configuration ----------------------------------------------------------
 
 
-async def run_federation(cfg: Config, workdir: Path) -> dict[str, Any]:
+async def run_federation(
+    cfg: Config, workdir: Path, server_args: list[str], timeout_s: float
+) -> dict[str, Any]:
     task_name, _ = MODELS[cfg.model]
     state = workdir / "state"
     server = Process(
         [
             sys.executable, "-m", "flotilla", "server", "--host", "127.0.0.1",
-            "--port", "0", "--state-dir", str(state),
+            "--port", "0", "--state-dir", str(state), *server_args,
         ],
         workdir / "server.log",
     )  # fmt: skip
@@ -318,7 +341,7 @@ async def run_federation(cfg: Config, workdir: Path) -> dict[str, Any]:
                     dead[0].result()  # raises the agent's error
                     raise RuntimeError("an agent stopped before the job started")
                 # The profile is queued once enrolment and the speed test are done.
-                return all(a._pending_profile is not None for a in agents)
+                return all(getattr(a, "_pending_profile", True) is not None for a in agents)
 
             await wait_until("agents to enrol", connected, AGENTS_READY_S)
             await asyncio.sleep(0.5)  # their first polls land
@@ -334,7 +357,7 @@ async def run_federation(cfg: Config, workdir: Path) -> dict[str, Any]:
                         "rounds": cfg.rounds,
                         "clients_per_round": cfg.agents,
                         "min_quorum": cfg.agents,
-                        "round_deadline_s": JOB_TIMEOUT_S,
+                        "round_deadline_s": timeout_s,
                     }
                 },
                 "benchmark",
@@ -343,13 +366,15 @@ async def run_federation(cfg: Config, workdir: Path) -> dict[str, Any]:
                 t_submit = time.perf_counter()
                 info = await remote.submit(spec)
                 rss_before = rss.reset_peak()
-                deadline = time.monotonic() + JOB_TIMEOUT_S
+                cpu = CpuClock(server.pid)
+                deadline = time.monotonic() + timeout_s
                 while info.state not in ("completed", "failed", "cancelled"):
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"job not done after {JOB_TIMEOUT_S:.0f}s")
+                        raise TimeoutError(f"job not done after {timeout_s:.0f}s")
                     await asyncio.sleep(0.1)
                     info = await remote.job(info.id)
                 job_s = time.perf_counter() - t_submit
+                server_cpu_s, bench_cpu_s = cpu.elapsed()
                 rss_peak_sampled = rss.sampled_peak()
                 hwm_round = rss.vm_hwm() if rss.hwm_reset else 0
                 info = await remote.job(info.id, with_rounds=True)
@@ -381,6 +406,8 @@ async def run_federation(cfg: Config, workdir: Path) -> dict[str, Any]:
         "bytes_per_round": cfg.agents * (model_bytes + update_bytes),
         "connect_seconds": connect_s,
         "job_seconds": job_s,
+        "server_cpu_seconds_per_round": server_cpu_s / cfg.rounds,
+        "agents_cpu_seconds_per_round": bench_cpu_s / cfg.rounds,
         "server_rss_idle": rss_idle,
         "server_rss_before": rss_before,
         "server_rss_peak": rss_peak,
@@ -466,18 +493,21 @@ async def sink_client(channel: grpc.aio.Channel, down: int, up: int) -> None:
 
 async def run_baseline(
     agents: int, down: int, up: int, repeats: int, workdir: Path
-) -> list[float]:
+) -> tuple[list[float], float, float]:
+    """Seconds for each repeat, then sink and client CPU seconds per repeat."""
     sink = Process([sys.executable, __file__, "--grpc-sink"], workdir / "sink.log")
     sink.start()
     channels = [open_channel(sink.address) for _ in range(agents)]
     try:
         await asyncio.gather(*(sink_client(ch, 1, 1) for ch in channels))  # connect
         times = []
+        cpu = CpuClock(sink.pid)
         for _ in range(repeats):
             t0 = time.perf_counter()
             await asyncio.gather(*(sink_client(ch, down, up) for ch in channels))
             times.append(time.perf_counter() - t0)
-        return times
+        sink_cpu, client_cpu = cpu.elapsed()
+        return times, sink_cpu / repeats, client_cpu / repeats
     finally:
         for ch in channels:
             await ch.close(None)
@@ -490,6 +520,9 @@ async def run_baseline(
 @dataclass
 class Report:
     mode: str
+    server_args: list[str]
+    #: 1-minute load average at the start and end: other work on the machine skews timings.
+    load: list[float] = field(default_factory=lambda: [os.getloadavg()[0]])
     configs: list[dict[str, Any]] = field(default_factory=list)
     floors: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -508,17 +541,39 @@ class Report:
                 "python": platform.python_version(),
                 "grpcio": grpc.__version__,
                 "platform": platform.platform(),
+                "load_average_1m": [*self.load, os.getloadavg()[0]],
             },
             "memory_floor": {
                 "model_factor": MEMORY_MODEL_FACTOR,
                 "constant_bytes": MEMORY_CONSTANT_BYTES,
             },
             "ratio_limit": RATIO_LIMIT,
+            "server_args": self.server_args,
+            "revision": revision(),
             "configs": self.configs,
             "floors": self.floors,
             "derived": derived(self.configs),
             "notes": self.notes,
         }
+
+
+def revision() -> dict[str, Any]:
+    """The commit measured, and whether the working tree differed from it."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": head, "modified": sorted(line[3:] for line in dirty if line.strip())}
 
 
 def derived(configs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -537,14 +592,20 @@ def derived(configs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-async def run(configs: list[Config], mode: str) -> Report:
-    report = Report(mode)
+async def run(
+    configs: list[Config],
+    mode: str,
+    server_args: list[str],
+    timeout_s: float = JOB_TIMEOUT_S,
+    keep: bool = False,
+) -> Report:
+    report = Report(mode, server_args)
     for cfg in configs:
         workdir = Path(tempfile.mkdtemp(prefix=f"flotilla-bench-{cfg.model}-{cfg.agents}-"))
         try:
             log.warning("running %s, %d round(s)", cfg.label, cfg.rounds)
-            result = await run_federation(cfg, workdir)
-            times = await run_baseline(
+            result = await run_federation(cfg, workdir, server_args, timeout_s)
+            times, sink_cpu, client_cpu = await run_baseline(
                 cfg.agents,
                 result["model_bytes"],
                 result["update_bytes"],
@@ -553,7 +614,13 @@ async def run(configs: list[Config], mode: str) -> Report:
             )
             result["baseline_seconds"] = statistics.median(times)
             result["baseline_runs"] = times
+            result["baseline_server_cpu_seconds"] = sink_cpu
+            result["baseline_clients_cpu_seconds"] = client_cpu
             result["ratio_to_grpc"] = result["seconds_per_round"] / result["baseline_seconds"]
+            # The server's own share: its CPU per round against the sink's for the same bytes.
+            result["server_cpu_ratio_to_grpc"] = result["server_cpu_seconds_per_round"] / max(
+                sink_cpu, 1e-3
+            )
             result["round_bytes_per_s"] = result["bytes_per_round"] / result["seconds_per_round"]
             result["baseline_bytes_per_s"] = result["bytes_per_round"] / result["baseline_seconds"]
         except Exception as exc:  # report it, go on with the other configurations
@@ -562,7 +629,10 @@ async def run(configs: list[Config], mode: str) -> Report:
             result["model_params"] = MODELS[cfg.model][1]
             result["server_log_tail"] = _tail(workdir / "server.log")
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+            if keep:
+                log.warning("kept %s", workdir)
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
         report.configs.append(result)
         report.floor(
             f"aggregation_memory {cfg.label}",
@@ -596,14 +666,51 @@ def summary(report: Report) -> str:
         )
     ok = sum(f["ok"] for f in report.floors)
     failed = [f["name"] for f in report.floors if not f["ok"]]
-    tail = f"floors {ok}/{len(report.floors)} ok" + (f" (failed: {', '.join(failed)})" if failed else "")
+    tail = f"floors {ok}/{len(report.floors)} ok" + (
+        f" (failed: {', '.join(failed)})" if failed else ""
+    )
     return "federation: " + "; ".join(parts) + "; " + tail
+
+
+def parse_config(text: str) -> Config:
+    """``MODEL:AGENTS[:ROUNDS]``, e.g. ``10M:100:2``."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or parts[0] not in MODELS:
+        raise argparse.ArgumentTypeError(f"want MODEL:AGENTS[:ROUNDS] with MODEL in {list(MODELS)}")
+    try:
+        agents, rounds = int(parts[1]), int(parts[2]) if len(parts) == 3 else 2
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if agents < 1 or rounds < 1:
+        raise argparse.ArgumentTypeError("agents and rounds must be >= 1")
+    return Config(parts[0], agents, rounds)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="100k x10 and 10M x100, 1-2 rounds")
+    parser.add_argument(
+        "--config",
+        type=parse_config,
+        action="append",
+        default=[],
+        metavar="MODEL:AGENTS[:ROUNDS]",
+        help="run only these configurations (repeatable), e.g. 10M:100:2",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="rounds per configuration")
+    parser.add_argument(
+        "--liveness",
+        type=float,
+        default=LIVENESS_S,
+        help=f"server --liveness SECONDS (default {LIVENESS_S:.0f}; the server's own is 30)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=JOB_TIMEOUT_S,
+        help=f"seconds a configuration's job may take (default {JOB_TIMEOUT_S:.0f})",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep state dirs and server logs")
     parser.add_argument("--json-only", action="store_true", help="no summary line on stderr")
     parser.add_argument("--grpc-sink", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -611,10 +718,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.grpc_sink:
         asyncio.run(serve_sink())
         return 0
-    configs = QUICK if args.quick else FULL
+    mode = "custom" if args.config else "quick" if args.quick else "full"
+    configs = args.config or (QUICK if args.quick else FULL)
     if args.rounds is not None:
         configs = [Config(c.model, c.agents, args.rounds) for c in configs]
-    report = asyncio.run(run(configs, "quick" if args.quick else "full"))
+    server_args = ["--liveness", str(args.liveness)]
+    report = asyncio.run(run(configs, mode, server_args, args.timeout, args.keep))
     print(json.dumps(report.to_json(), indent=2))
     if not args.json_only:
         print(summary(report), file=sys.stderr)

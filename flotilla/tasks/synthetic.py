@@ -69,7 +69,7 @@ class SyntheticLinear:
         x, y = data.train
         opt = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
         model.train()
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = nn.CrossEntropyLoss()(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
