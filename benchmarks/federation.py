@@ -55,7 +55,7 @@ import psutil
 
 from flotilla.client.agent import Agent, AgentConfig
 from flotilla.client.training import TrainOutcome
-from flotilla.core.blobs import CHUNK_BYTES
+from flotilla.core.blobs import CHUNK_BYTES, sha256_hex
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import decode_state, encode_state
 from flotilla.proto import flotilla_pb2 as pb
@@ -251,9 +251,10 @@ class SharedUpdate:
         self._seed = seed
         self._lock = threading.Lock()
         self.payload = b""
+        self.sha256 = ""
         self.model_bytes = 0
 
-    def get(self, model: bytes) -> bytes:
+    def get(self, model: bytes | memoryview) -> bytes:
         with self._lock:
             if not self.payload:
                 rng = np.random.default_rng(self._seed)
@@ -263,6 +264,7 @@ class SharedUpdate:
                     for name, arr in state.items()
                 }
                 self.payload = encode_state(delta)
+                self.sha256 = sha256_hex(self.payload)
                 self.model_bytes = len(model)
             return self.payload
 
@@ -275,15 +277,16 @@ class CannedTrainer:
     update: SharedUpdate
     num_samples: int = 8
 
-    def train(self, model_bytes: bytes, work: pb.TrainTask) -> TrainOutcome:
-        return TrainOutcome(self.num_samples, {"loss": 1.0}, self.update.get(model_bytes))
+    def train(self, model_bytes: bytes | memoryview, work: pb.TrainTask) -> TrainOutcome:
+        payload = self.update.get(model_bytes)
+        return TrainOutcome(self.num_samples, {"loss": 1.0}, payload, self.update.sha256)
 
 
 class BenchAgent(Agent):
     """A real agent that does not keep the last model: 100 cached 40 MB copies in one
     benchmark process would measure this process, not the platform."""
 
-    async def _fetch(self, task: pb.TrainTask) -> bytes:
+    async def _fetch(self, task: pb.TrainTask) -> memoryview:
         data = await super()._fetch(task)
         self._model = None
         return data

@@ -18,7 +18,8 @@ from tests.conftest import DIGITS, AgentFleet, ServerProcess, flotilla
 pytestmark = pytest.mark.timeout(600)
 
 
-def participations(server: ServerProcess) -> list:
+def read_store(server: ServerProcess, what: str) -> list:
+    """Rows straight from the server's database: ``participations`` or ``devices``."""
     import asyncio
 
     from flotilla.server.store import Store, default_url
@@ -26,11 +27,15 @@ def participations(server: ServerProcess) -> list:
     async def read() -> list:
         store = await Store.open(server.db_url or default_url(server.state_dir))
         try:
-            return await store.list_participations()
+            return await getattr(store, f"list_{what}")()
         finally:
             await store.close()
 
     return asyncio.run(read())
+
+
+def participations(server: ServerProcess) -> list:
+    return read_store(server, "participations")
 
 
 def test_five_agents_learn_digits(
@@ -101,7 +106,8 @@ def test_kill_9_mid_round_then_restart_resumes(
     while server.status(job_id)["rounds_committed"] < 4:
         assert time.monotonic() < deadline, "job did not start"
         time.sleep(0.3)
-    before = {r.device_id for r in participations(server)}
+    enrolled = {d.id for d in read_store(server, "devices")}
+    assert len(enrolled) == 5
     server.kill9()
     time.sleep(1.0)
     assert fleet.alive() == 5, "agents must survive the server's death"
@@ -116,7 +122,8 @@ def test_kill_9_mid_round_then_restart_resumes(
     assert len(keys) == len(set(keys))
     last = max(r["committed_at"] for r in rounds)
     after = {r.device_id for r in rows if r.finished_at > last - 5}
-    assert after and after <= before, "the same agents came back by themselves"
+    assert after and after <= enrolled, "the same agents came back by themselves"
+    assert {d.id for d in read_store(server, "devices")} == enrolled, "nobody enrolled again"
     assert fleet.alive() == 5
 
 

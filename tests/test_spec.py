@@ -74,7 +74,8 @@ def test_ints_are_accepted_where_floats_are_expected(tmp_path: Path) -> None:
         ("seed = 3\n", "'seed'"),
         ("[job]\nround = 3\n", "'job.round'"),
         ("[train]\nlearning_rat = 0.1\n", "'train.learning_rat'"),
-        ("[aggregation]\nserver_lr = 1.0\nclip = 1.0\n", "'aggregation.clip'"),
+        ("[aggregation]\nstrategy = 'fedavg'\nclip = 1.0\n", "'aggregation.clip'"),
+        ("[compression]\nuplink = 'int8'\nerrorfeedback = true\n", "'compression.errorfeedback'"),
     ],
 )
 def test_unknown_fields_are_named_with_the_file(tmp_path: Path, text: str, field: str) -> None:
@@ -123,7 +124,8 @@ def test_overrides_of_each_type() -> None:
             "data.alpha=2",
             "job.name=hello",
             'job.task="pkg.mod:Task"',
-            "aggregation.server_lr=0.5",
+            "aggregation.params.server_lr=0.5",
+            "compression.uplink_params.fraction=0.05",
         ],
     )
     assert spec.job.rounds == 5
@@ -131,7 +133,8 @@ def test_overrides_of_each_type() -> None:
     assert spec.data.alpha == 2.0
     assert spec.job.name == "hello"
     assert spec.job.task == "pkg.mod:Task"
-    assert spec.aggregation.server_lr == 0.5
+    assert spec.aggregation.params == {"server_lr": 0.5}
+    assert spec.compression.uplink_params == {"fraction": 0.05}
     assert spec.train.momentum == 0.9  # untouched fields keep the file's values
 
 
@@ -144,10 +147,10 @@ def test_unquoted_values_that_are_not_toml_stay_strings() -> None:
 
 def test_override_creates_missing_sections() -> None:
     data: dict = {"job": {"rounds": 3}}
-    apply_override(data, "aggregation.server_lr=0.25")
+    apply_override(data, "aggregation.strategy=fedadam")
     apply_override(data, "job.seed=7")
-    assert data == {"job": {"rounds": 3, "seed": 7}, "aggregation": {"server_lr": 0.25}}
-    assert JobSpec.from_dict(data).aggregation.server_lr == 0.25
+    assert data == {"job": {"rounds": 3, "seed": 7}, "aggregation": {"strategy": "fedadam"}}
+    assert JobSpec.from_dict(data).aggregation.strategy == "fedadam"
 
 
 @pytest.mark.parametrize("item", ["job.rounds", "=5", " =5", ""])
@@ -187,7 +190,8 @@ def test_overrides_are_checked_like_the_file(item: str, message: str) -> None:
         ("job.min_quorum=5", "job.min_quorum (5) exceeds job.clients_per_round (4)"),
         ("job.over_selection=0.5", "job.over_selection must be >= 1.0"),
         ("job.task=nocolon", "job.task must look like 'package.module:Name'"),
-        ("aggregation.strategy=median", "aggregation.strategy: unknown strategy 'median'"),
+        ("train.update_momentum=1.0", "train.update_momentum must be in [0, 1)"),
+        ("train.proximal_mu=-1", "train.proximal_mu must be >= 0"),
     ],
 )
 def test_invalid_values_are_refused(override: str, message: str) -> None:
@@ -235,3 +239,42 @@ def test_a_date_like_override_stays_text() -> None:
     data: dict = {}
     apply_override(data, "job.name=1979-05-27")
     assert JobSpec.from_dict(data).job.name == "1979-05-27"
+
+
+# --- strategy and codec names, checked where the engine builds them ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("aggregation.strategy=fedmedian", "valid: fedavg, fedprox"),
+        ("aggregation.params.betaa=0.1", "aggregation.params (fedadam): unknown field 'betaa'"),
+        ("compression.uplink=int9", "compression.uplink"),
+        ("compression.uplink_params.fraction=0.1", "compression.uplink"),
+        ("compression.downlink=gzip", "compression.downlink"),
+    ],
+)
+def test_unknown_strategies_codecs_and_params_are_refused(override: str, message: str) -> None:
+    from flotilla.engine import validate_spec
+
+    spec = JobSpec.load(DIGITS, ["aggregation.strategy=fedadam", override])
+    with pytest.raises(SpecError, match=re.escape(message)):
+        validate_spec(spec)
+
+
+def test_every_strategy_and_codec_is_reachable_by_name() -> None:
+    from flotilla.aggregation import STRATEGY_NAMES
+    from flotilla.compression import CODEC_NAMES
+    from flotilla.engine import JobPlan
+
+    for name in STRATEGY_NAMES:
+        plan = JobPlan.from_spec(JobSpec.load(DIGITS, [f"aggregation.strategy={name}"]))
+        assert plan.spec.aggregation.strategy == name
+    for name in CODEC_NAMES:
+        plan = JobPlan.from_spec(JobSpec.load(DIGITS, [f"compression.uplink={name}"]))
+        assert plan.uplink.name == name
+
+
+def test_table_params_hold_scalars_only() -> None:
+    with pytest.raises(SpecError, match=re.escape("'aggregation.params.x'")):
+        JobSpec.from_dict({"aggregation": {"params": {"x": {"nested": 1}}}})

@@ -21,7 +21,7 @@ import grpc
 from flotilla.client.channel import RETRYABLE, Backoff, DeviceCredential, open_channel
 from flotilla.client.profile import matmul_gflops, memory_bytes
 from flotilla.client.training import LocalTrainer, TrainOutcome
-from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
+from flotilla.core.blobs import BlobAssembler, iter_chunks
 from flotilla.core.errors import AuthError, FlotillaError
 from flotilla.core.files import write_private
 from flotilla.core.timeouts import Timeouts
@@ -55,7 +55,7 @@ class Agent:
         self._rng = rng or random.Random()
         self._backoff = Backoff(self._rng, cap_s=config.backoff_cap_s)
         self._credential: DeviceCredential | None = None
-        self._model: tuple[str, bytes] | None = None
+        self._model: tuple[str, memoryview] | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.AgentStub
         self._pending_profile: pb.DeviceProfile | None = None
@@ -202,20 +202,25 @@ class Agent:
         return reply.task if reply.HasField("task") else None
 
     async def _work(self, task: pb.TrainTask) -> None:
-        model = await self._fetch(task)
+        # Heartbeats run for the whole round, transfers included: a slow link must not
+        # look like a dead device.
         round_open = asyncio.Event()
         round_open.set()
         beat = asyncio.ensure_future(self._heartbeat(task.round_token, round_open))
         try:
+            model = await self._fetch(task)
             outcome = await asyncio.to_thread(self.config.trainer.train, model, task)
+            del model  # the cache keeps it when wanted; an upload can take a while
+            if not round_open.is_set():
+                log.info(
+                    "round %d of %s closed while training; not uploading", task.round, task.job_id
+                )
+                return
+            await self._submit(task, outcome)
         finally:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                 await beat
-        if not round_open.is_set():
-            log.info("round %d of %s closed while training; not uploading", task.round, task.job_id)
-            return
-        await self._submit(task, outcome)
         self.rounds_done += 1
 
     async def _heartbeat(self, round_token: str, round_open: asyncio.Event) -> None:
@@ -231,7 +236,7 @@ class Agent:
                     round_open.clear()
                     return
 
-    async def _fetch(self, task: pb.TrainTask) -> bytes:
+    async def _fetch(self, task: pb.TrainTask) -> memoryview:
         if self._model is not None and self._model[0] == task.model_sha256:
             return self._model[1]
         if task.model_size > self.config.max_model_bytes:
@@ -244,7 +249,7 @@ class Agent:
         )
         async for chunk in call:
             assembler.add(chunk.data, chunk.offset)
-        data = bytes(assembler.finish())
+        data = assembler.finish()
         self._model = (task.model_sha256, data)
         return data
 
@@ -256,8 +261,8 @@ class Agent:
             num_samples=outcome.num_samples,
             metrics=outcome.metrics,
             payload_size=len(outcome.payload),
-            payload_sha256=sha256_hex(outcome.payload),
-            codec="safetensors",
+            payload_sha256=outcome.payload_sha256,
+            codec=outcome.codec,
         )
 
         async def chunks() -> AsyncIterator[pb.UpdateChunk]:

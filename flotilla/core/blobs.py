@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 
+import numpy as np
+
 from flotilla.core.errors import IntegrityError, WireError
 
 #: Chunk size for streaming blobs: well under gRPC's message limit.
@@ -37,7 +39,9 @@ class BlobAssembler:
             raise WireError("blob sha256 must be 64 hex characters")
         self.expected_size = expected_size
         self.expected_sha256 = expected_sha256
-        self._buf = bytearray(expected_size)
+        # Uninitialised: every byte is written before finish() hands the buffer out, and
+        # zero-filling a model-sized buffer per transfer is measurable CPU on a busy server.
+        self._buf = np.empty(expected_size, dtype=np.uint8)
         self._pos = 0
         self._hash = hashlib.sha256()
 
@@ -51,13 +55,14 @@ class BlobAssembler:
         end = self._pos + len(chunk)
         if end > self.expected_size:
             raise WireError(f"blob longer than its declared {self.expected_size} bytes")
-        self._buf[self._pos : end] = chunk
+        self._buf[self._pos : end] = np.frombuffer(chunk, dtype=np.uint8)
         self._hash.update(chunk)
         self._pos = end
 
-    def finish(self) -> bytearray:
+    def finish(self) -> memoryview:
+        """The verified blob, without a copy."""
         if self._pos != self.expected_size:
             raise WireError(f"blob truncated: {self._pos} of {self.expected_size} bytes")
         if self._hash.hexdigest() != self.expected_sha256:
             raise IntegrityError("blob sha256 does not match its declared digest")
-        return self._buf
+        return self._buf.data.cast("B")

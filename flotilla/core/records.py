@@ -44,6 +44,9 @@ class JobRecord:
     created_at: float
     updated_at: float
     metrics: dict[str, float] = field(default_factory=dict)
+    #: The aggregator's server state (optimizer moments, privacy history) after the last
+    #: committed round; empty for stateless strategies.
+    aggregator_sha256: str = ""
 
     @property
     def terminal(self) -> bool:
@@ -87,3 +90,5 @@ class RoundCommit:
     started_at: float
     committed_at: float
     participants: tuple[ParticipationRecord, ...]
+    #: Blob of the aggregator's state after this round; committed with the model.
+    aggregator_sha256: str = ""

@@ -55,6 +55,15 @@ class TrainSection:
     learning_rate: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
+    #: FedProx's proximal term: the local loss adds mu/2 * ||w - w_global||^2. The
+    #: ``fedprox`` strategy sets it from ``aggregation.params.mu``.
+    proximal_mu: float = 0.0
+    #: Agent-side momentum over rounds: each device sends m = beta*m + (1-beta)*delta
+    #: instead of delta (kept in its state dir). Steadies robust rules such as centered
+    #: clipping against Byzantine devices; 0 sends the plain delta.
+    update_momentum: float = 0.0
+    #: Task-specific parameters, passed to the task as they are (scalars only).
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,10 +80,29 @@ class DataSection:
 class AggregationSection:
     """How accepted updates become the next global model."""
 
-    #: ``fedavg``: sample-weighted mean of the updates.
+    #: One of ``flotilla.aggregation.STRATEGY_NAMES`` (docs/aggregation.md): ``fedavg``,
+    #: ``fedprox``, ``fedavgm``, ``fedadam``, ``fedyogi``, ``fedadagrad``, ``median``,
+    #: ``trimmed_mean``, ``krum``, ``multikrum``, ``centered_clipping``, ``dp_fedavg``,
+    #: ``fedbuff`` (asynchronous: ``job.clients_per_round`` devices train at once).
     strategy: str = "fedavg"
-    #: Server learning rate applied to the averaged update.
-    server_lr: float = 1.0
+    #: The strategy's parameters, e.g. ``{eta = 0.01, tau = 1e-3}`` for ``fedadam``; a name
+    #: the strategy does not know is an error listing the ones it does.
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompressionSection:
+    """How updates shrink on the uplink and the model on the downlink (docs/compression.md)."""
+
+    #: Codec for device -> server updates: one of ``flotilla.compression.CODEC_NAMES``.
+    uplink: str = "none"
+    #: That codec's parameters, e.g. ``{fraction = 0.01}`` for ``topk``.
+    uplink_params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Keep what the codec dropped on the device and add it to the next update.
+    error_feedback: bool = False
+    #: Codec for the model broadcast; ``none`` sends the exact model.
+    downlink: str = "none"
+    downlink_params: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,6 +113,7 @@ class JobSpec:
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     aggregation: AggregationSection = dataclasses.field(default_factory=AggregationSection)
+    compression: CompressionSection = dataclasses.field(default_factory=CompressionSection)
 
     def __post_init__(self) -> None:
         _check_job(self)
@@ -135,7 +164,6 @@ def _check_job(spec: JobSpec) -> None:
         "train.batch_size": train.batch_size,
         "train.learning_rate": train.learning_rate,
         "data.alpha": spec.data.alpha,
-        "aggregation.server_lr": spec.aggregation.server_lr,
     }
     for name, value in positive.items():
         if not value > 0 or not math.isfinite(value):
@@ -153,8 +181,10 @@ def _check_job(spec: JobSpec) -> None:
         )
     if ":" not in job.task:
         raise SpecError(f"job.task must look like 'package.module:Name', got {job.task!r}")
-    if spec.aggregation.strategy != "fedavg":
-        raise SpecError(f"aggregation.strategy: unknown strategy {spec.aggregation.strategy!r}")
+    if not 0.0 <= train.update_momentum < 1.0:
+        raise SpecError(f"train.update_momentum must be in [0, 1), got {train.update_momentum!r}")
+    if not train.proximal_mu >= 0.0 or not math.isfinite(train.proximal_mu):
+        raise SpecError(f"train.proximal_mu must be >= 0, got {train.proximal_mu!r}")
 
 
 def apply_override(data: dict[str, Any], item: str, source: str = "<overrides>") -> None:
@@ -198,6 +228,22 @@ def build_dataclass(cls: type[T], data: Mapping[str, Any], source: str, prefix: 
         raise SpecError(f"{source}: {exc}") from exc
 
 
+def _scalar_table(value: Any, source: str, field: str) -> dict[str, Any]:
+    """A parameters table: names to scalars (or lists of scalars), checked by its consumer."""
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{source}: field '{field}' must be a table, got {value!r}")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        scalars = (str, int, float, bool)
+        ok = isinstance(item, scalars) or (
+            isinstance(item, (list, tuple)) and all(isinstance(v, scalars) for v in item)
+        )
+        if not ok:
+            raise SpecError(f"{source}: field '{field}.{key}' must be a scalar, got {item!r}")
+        out[str(key)] = list(item) if isinstance(item, (list, tuple)) else item
+    return out
+
+
 def _coerce(hint: Any, value: Any, source: str, field: str) -> Any:
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         return build_dataclass(hint, value, source, f"{field}.")
@@ -214,6 +260,8 @@ def _coerce(hint: Any, value: Any, source: str, field: str) -> Any:
             except SpecError:
                 continue
         raise SpecError(f"{source}: field '{field}' has the wrong type ({value!r})")
+    if origin is dict:
+        return _scalar_table(value, source, field)
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise SpecError(f"{source}: field '{field}' must be a list, got {value!r}")

@@ -29,6 +29,7 @@ DTYPES: dict[str, np.dtype] = {
     "I32": np.dtype("<i4"),
     "I16": np.dtype("<i2"),
     "I8": np.dtype("i1"),
+    "U16": np.dtype("<u2"),
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
 }
@@ -37,6 +38,8 @@ MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_TENSORS = 100_000
 #: Most dimensions a tensor may have (numpy 1.x supports 32).
 MAX_DIMS = 32
+#: Most entries in the safetensors ``__metadata__`` string map.
+MAX_METADATA_ENTRIES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +72,18 @@ def _dtype_name(dtype: np.dtype) -> str:
         raise WireError(f"dtype {dtype} cannot travel on the wire") from exc
 
 
-def encode_state(state: Mapping[str, np.ndarray]) -> bytes:
-    """safetensors bytes of a state; tensor order follows the mapping."""
+def encode_state(
+    state: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+) -> bytes:
+    """safetensors bytes of a state; tensor order follows the mapping.
+
+    ``metadata`` becomes the header's ``__metadata__`` string map (codecs record themselves
+    there).
+    """
     header: dict[str, object] = {}
+    if metadata is not None:
+        header["__metadata__"] = _checked_metadata(metadata, WireError)
     offset = 0
     arrays = []
     for name, value in state.items():
@@ -98,11 +110,27 @@ def encode_state(state: Mapping[str, np.ndarray]) -> bytes:
     return bytes(out)
 
 
-def read_header(
-    buf: bytes | bytearray | memoryview, max_bytes: int
-) -> tuple[tuple[TensorSpec, ...], list[tuple[int, int]], int]:
-    """Parse and bound-check a safetensors header: specs, data offsets, data start."""
-    view = memoryview(buf)
+def _checked_metadata(metadata: object, error: type[Exception]) -> dict[str, str]:
+    """The safetensors rule: ``__metadata__`` is a flat map of strings to strings."""
+    if not isinstance(metadata, Mapping) or len(metadata) > MAX_METADATA_ENTRIES:
+        raise error(
+            f"safetensors __metadata__ must be a map of at most {MAX_METADATA_ENTRIES} strings"
+        )
+    out: dict[str, str] = {}
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise error(f"safetensors __metadata__ entry {key!r} is not a string pair")
+        out[key] = value
+    return out
+
+
+def read_metadata(buf: bytes | bytearray | memoryview, max_bytes: int) -> dict[str, str]:
+    """The header's ``__metadata__`` string map (empty when absent), bound-checked."""
+    header = _parse_header(memoryview(buf), max_bytes)
+    return _checked_metadata(header.get("__metadata__", {}), WireError)
+
+
+def _parse_header(view: memoryview, max_bytes: int) -> dict[str, object]:
     if len(view) > max_bytes:
         raise WireError(f"payload of {len(view)} bytes exceeds the limit of {max_bytes}")
     if len(view) < 8:
@@ -116,6 +144,16 @@ def read_header(
         raise WireError(f"safetensors header is not valid JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise WireError("safetensors header must be a JSON object")
+    return header
+
+
+def read_header(
+    buf: bytes | bytearray | memoryview, max_bytes: int
+) -> tuple[tuple[TensorSpec, ...], list[tuple[int, int]], int]:
+    """Parse and bound-check a safetensors header: specs, data offsets, data start."""
+    view = memoryview(buf)
+    header = _parse_header(view, max_bytes)
+    (hlen,) = struct.unpack("<Q", view[:8])
     header.pop("__metadata__", None)
     if len(header) > MAX_TENSORS:
         raise WireError(f"too many tensors ({len(header)})")

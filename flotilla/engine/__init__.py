@@ -2,10 +2,13 @@
 
 - ``backend``: the :class:`Backend` protocol (real or virtual devices) and the round's data.
 - ``ports``: what the engine needs from storage and evaluation (:class:`Ledger`, :class:`Blobs`).
+- ``plan``: :class:`JobPlan`, a spec turned into aggregator and codecs; :func:`validate_spec`.
 - ``rounds``: :class:`JobRunner`, which drives one job round by round.
+- ``buffered``: FedBuff's asynchronous rounds, for strategies with ``traits.asynchronous``.
 """
 
 from flotilla.engine.backend import Backend, Delivered, Failed, RoundResult, TrainTask
+from flotilla.engine.plan import JobPlan, validate_spec
 from flotilla.engine.ports import Blobs, Evaluator, Ledger
 from flotilla.engine.rounds import EngineConfig, JobRunner
 
@@ -16,8 +19,10 @@ __all__ = [
     "EngineConfig",
     "Evaluator",
     "Failed",
+    "JobPlan",
     "JobRunner",
     "Ledger",
     "RoundResult",
     "TrainTask",
+    "validate_spec",
 ]

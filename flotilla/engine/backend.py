@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from flotilla.compression import Codec, NoneCodec
 from flotilla.core.tensors import TensorSpec
 from flotilla.core.update import Update
 
@@ -27,6 +28,8 @@ class TrainTask:
     seed: int
     #: What every update must look like: the model's tensor names, dtypes and shapes.
     layout: tuple[TensorSpec, ...] = ()
+    #: The job's uplink codec: updates arrive in its payload format.
+    codec: Codec = field(default_factory=NoneCodec)
 
 
 def _accept_silently(reason: str | None) -> None:

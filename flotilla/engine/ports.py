@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -27,6 +27,10 @@ class Blobs(Protocol):
 
     def put(self, data: bytes | bytearray | memoryview) -> str: ...
 
+    def put_parts(self, parts: Iterable[bytes | bytearray | memoryview]) -> str: ...
+
     def get(self, sha256: str) -> bytes: ...
+
+    def get_mapped(self, sha256: str) -> memoryview: ...
 
     def path(self, sha256: str) -> Path: ...

@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from flotilla.aggregation import StreamingFedAvg
+from flotilla.aggregation import Aggregator, PrivacyBudgetExhausted
 from flotilla.core.errors import UpdateRejected
 from flotilla.core.records import JobRecord, ParticipationRecord, RoundCommit
 from flotilla.core.spec import JobSpec
-from flotilla.core.tensors import ModelState, TensorSpec, decode_state, encode_state, state_spec
-from flotilla.engine.backend import Backend, Failed, RoundResult, TrainTask
+from flotilla.core.tensors import (
+    ModelState,
+    TensorSpec,
+    decode_state,
+    encode_state,
+    state_spec,
+)
+from flotilla.engine.backend import Backend, Delivered, Failed, RoundResult, TrainTask
+from flotilla.engine.plan import JobPlan
 from flotilla.engine.ports import Blobs, Evaluator, Ledger
 from flotilla.scheduling import DevicePool, RoundOutcome, Selector
 
@@ -56,31 +63,71 @@ class JobRunner:
     evaluator: Evaluator | None
     clock: Callable[[], float]
     config: EngineConfig = field(default_factory=EngineConfig)
+    #: Where robust strategies spool a round's updates; required only by them.
+    spool_dir: Path | None = None
+    _plan: JobPlan = field(init=False)
+    _aggregator: Aggregator = field(init=False)
     _layout: tuple[TensorSpec, ...] = field(init=False, default=())
+    #: The model devices download: the checkpoint itself, or its downlink encoding.
+    _broadcast: tuple[str, int] = field(init=False, default=("", 0))
 
     async def run(self) -> JobRecord:
+        self._plan = JobPlan.from_spec(self.spec)
         model = decode_state(await asyncio.to_thread(self.blobs.get, self.job.checkpoint_sha256))
         self._layout = state_spec(model)
         del model
+        self._aggregator = await self._restored_aggregator()
         if self.job.state == "pending":
             self.job = await self.ledger.set_job_state(self.job.id, "running")
-        while self.job.rounds_committed < self.job.rounds_total:
-            committed = await self.run_round(self.job.rounds_committed + 1)
-            if not committed:
-                await asyncio.sleep(self.config.retry_pause_s)
+        try:
+            await self._prepare_broadcast()
+            if self._plan.traits.asynchronous:
+                from flotilla.engine.buffered import run_buffered
+
+                await run_buffered(self)
+            else:
+                while self.job.rounds_committed < self.job.rounds_total:
+                    committed = await self.run_round(self.job.rounds_committed + 1)
+                    if not committed:
+                        await asyncio.sleep(self.config.retry_pause_s)
+        except PrivacyBudgetExhausted as exc:
+            # The job trained as far as its privacy budget allows: that is its end.
+            log.warning("job %s stops: %s", self.job.id, exc)
+            self.job = await self.ledger.set_job_state(self.job.id, "completed")
+        finally:
+            self._aggregator.close()
         return self.job
+
+    async def _restored_aggregator(self) -> Aggregator:
+        """A fresh aggregator carrying the state committed with the last round."""
+        aggregator = self._plan.aggregator(self._layout, self.spool_dir)
+        sha = self.job.aggregator_sha256
+        if sha:
+            raw = await asyncio.to_thread(self.blobs.get, sha)
+            aggregator.restore({k: v.copy() for k, v in decode_state(raw).items()})
+        return aggregator
+
+    async def _rollback(self) -> None:
+        """Forget whatever a failed round did to the aggregator's state (moments, clip norm)."""
+        self._aggregator.close()
+        self._aggregator = await self._restored_aggregator()
 
     async def run_round(self, round_no: int) -> bool:
         """One attempt at a round; True when it committed."""
-        selected = await self._select()
+        selected, rate = await self._select()
         started = self.clock()
         task = self._task(round_no, started)
-        aggregator = StreamingFedAvg(self._layout, self.spec.aggregation.server_lr)
+        global_state = decode_state(
+            await asyncio.to_thread(self.blobs.get_mapped, self.job.checkpoint_sha256)
+        )
+        aggregator = self._aggregator
+        aggregator.begin(round_no, global_state)
+        del global_state
         tally = RoundTally()
         try:
             results = self.backend.dispatch(task, selected)
             async with contextlib.aclosing(results):  # type: ignore[type-var]
-                await self._collect(results, task, aggregator, tally)
+                await self._collect(results, task, tally)
         finally:
             for device_id in tally.durations.keys() | set(tally.failures):
                 self.pool.release(device_id, self.job.id)
@@ -95,15 +142,21 @@ class JobRunner:
                 aggregator.count,
                 self.spec.job.min_quorum,
             )
+            await self._rollback()
             return False
         try:
-            await self._commit(round_no, started, aggregator, tally)
+            await self.commit(round_no, started, tally, rate)
         except UpdateRejected as exc:
             log.warning("job %s round %d not committed: %s", self.job.id, round_no, exc)
+            await self._rollback()
             return False
+        except BaseException:
+            await self._rollback()
+            raise
         return True
 
-    async def _select(self) -> list[str]:
+    async def _select(self) -> tuple[list[str], float]:
+        """Claim devices for a round; also the sampling rate, for privacy accounting."""
         job = self.spec.job
         want = math.ceil(job.clients_per_round * job.over_selection)
         grace_until: float | None = None
@@ -118,33 +171,35 @@ class JobRunner:
                     break
             await asyncio.sleep(self.config.idle_poll_s)
         chosen = self.selector.select(self.job.id, idle, want)
+        rate = len(chosen) / max(len(self.pool.eligible(job.task)), len(chosen), 1)
+        if self._plan.traits.needs_sampling_rate:
+            self._aggregator.check_budget(rate)  # type: ignore[attr-defined]
         self.pool.claim(chosen, self.job.id)
-        return chosen
+        return chosen, rate
 
     def _task(self, round_no: int, started: float) -> TrainTask:
-        config = {"train": self.spec.to_dict()["train"], "data": self.spec.to_dict()["data"]}
+        sha, size = self._broadcast
         return TrainTask(
             job_id=self.job.id,
             round=round_no,
             round_token=uuid.uuid4().hex,
             task=self.spec.job.task,
-            config_json=json.dumps(config, sort_keys=True),
-            model_sha256=self.job.checkpoint_sha256,
-            model_size=self.blobs.path(self.job.checkpoint_sha256).stat().st_size,
+            config_json=self._plan.client_config_json(
+                self._layout, self._aggregator.client_config()
+            ),
+            model_sha256=sha,
+            model_size=size,
             deadline=started + self.spec.job.round_deadline_s,
             seed=(self.spec.job.seed * 1_000_003 + round_no) % 2**63,
             layout=self._layout,
+            codec=self._plan.uplink,
         )
 
     async def _collect(
-        self,
-        results: AsyncIterator[RoundResult],
-        task: TrainTask,
-        aggregator: StreamingFedAvg,
-        tally: RoundTally,
+        self, results: AsyncIterator[RoundResult], task: TrainTask, tally: RoundTally
     ) -> None:
         want = self.spec.job.clients_per_round
-        while aggregator.count < want:
+        while self._aggregator.count < want:
             remaining = task.deadline - self.clock()
             if remaining <= 0:
                 return
@@ -152,24 +207,36 @@ class JobRunner:
                 result = await asyncio.wait_for(results.__anext__(), timeout=remaining)
             except (StopAsyncIteration, asyncio.TimeoutError):
                 return
-            self._fold(result, aggregator, tally)
+            self.fold(result, tally)
+            del result  # do not hold a model-sized update while waiting for the next one
             await asyncio.sleep(0)  # let other jobs' handlers run between large folds
 
-    def _fold(self, result: RoundResult, aggregator: StreamingFedAvg, tally: RoundTally) -> None:
+    def fold(self, result: RoundResult, tally: RoundTally, staleness: int | None = None) -> bool:
+        """Hand one result to the aggregator and settle it; True when it was taken."""
         if isinstance(result, Failed):
             tally.failures.append(result.device_id)
-            return
+            return False
         update = result.update
-        if aggregator.count >= self.spec.job.clients_per_round:
+        if staleness is None and self._aggregator.count >= self.spec.job.clients_per_round:
             result.settle("round already has enough updates")
             tally.failures.append(update.device_id)
-            return
+            return False
         try:
-            aggregator.add(update.delta, float(update.num_samples))
+            if staleness is None:
+                self._aggregator.add(update.delta, float(update.num_samples))
+            else:
+                self._aggregator.add(  # type: ignore[call-arg]
+                    update.delta, float(update.num_samples), staleness=staleness
+                )
         except UpdateRejected as exc:
             result.settle(str(exc))
             tally.failures.append(update.device_id)
-            return
+            return False
+        self._accept(result, tally)
+        return True
+
+    def _accept(self, result: Delivered, tally: RoundTally) -> None:
+        update = result.update
         result.settle(None)
         now = self.clock()
         tally.durations[update.device_id] = result.elapsed_s
@@ -185,12 +252,29 @@ class JobRunner:
             )
         )
 
-    async def _commit(
-        self, round_no: int, started: float, aggregator: StreamingFedAvg, tally: RoundTally
+    async def commit(
+        self, round_no: int, started: float, tally: RoundTally, rate: float | None = None
     ) -> None:
-        sha, new_model = await asyncio.to_thread(self._write_checkpoint, aggregator)
-        metrics = await self._metrics(new_model, tally)
+        """Finalize the aggregator and commit its model (and state) as ``round_no``."""
+        new_model = await asyncio.to_thread(self._aggregator.finalize)
+        metrics: dict[str, float] = {}
+        if self._plan.traits.needs_sampling_rate:
+            metrics["epsilon"] = self._aggregator.spend(rate)  # type: ignore[attr-defined]
+        sha, agg_sha = await asyncio.to_thread(self._write_checkpoint, new_model)
+        metrics.update(await self._metrics(new_model, tally))
         del new_model
+        participants = tuple(
+            ParticipationRecord(
+                job_id=p.job_id,
+                round=round_no,
+                device_id=p.device_id,
+                num_samples=p.num_samples,
+                started_at=p.started_at,
+                finished_at=p.finished_at,
+                metrics=p.metrics,
+            )
+            for p in tally.accepted
+        )
         commit = RoundCommit(
             job_id=self.job.id,
             round=round_no,
@@ -198,19 +282,38 @@ class JobRunner:
             metrics=metrics,
             started_at=started,
             committed_at=self.clock(),
-            participants=tuple(tally.accepted),
+            participants=participants,
+            aggregator_sha256=agg_sha,
         )
         self.job = await self.ledger.commit_round(commit)
+        await self._prepare_broadcast()
         log.info("job %s round %d committed: %s", self.job.id, round_no, metrics)
 
-    def _write_checkpoint(self, aggregator: StreamingFedAvg) -> tuple[str, ModelState]:
-        current = decode_state(self.blobs.get(self.job.checkpoint_sha256))
-        new_model = aggregator.finalize(current)
-        del current
-        return self.blobs.put(encode_state(new_model)), new_model
+    def _write_checkpoint(self, new_model: ModelState) -> tuple[str, str]:
+        state = self._aggregator.state()
+        agg_sha = self.blobs.put(encode_state(state)) if state else ""
+        return self.blobs.put(encode_state(new_model)), agg_sha
+
+    async def _prepare_broadcast(self) -> None:
+        """What devices download for the current checkpoint (encoded once per model)."""
+        sha = self.job.checkpoint_sha256
+        codec = self._plan.downlink
+        if codec is None:
+            self._broadcast = (sha, self.blobs.path(sha).stat().st_size)
+            return
+
+        def encode() -> tuple[str, int]:
+            from flotilla.compression import encode_state_with
+
+            model = decode_state(self.blobs.get_mapped(sha))
+            payload = encode_state_with(codec, model)
+            return self.blobs.put(payload), len(payload)
+
+        self._broadcast = await asyncio.to_thread(encode)
 
     async def _metrics(self, model: ModelState, tally: RoundTally) -> dict[str, float]:
         metrics: dict[str, float] = {"updates": float(len(tally.accepted))}
+        metrics.update(self._traffic(tally))
         if self.evaluator is not None:
             metrics.update(await asyncio.to_thread(self.evaluator, model))
             return metrics
@@ -220,3 +323,12 @@ class JobRunner:
             if vals:
                 metrics[name] = sum(v * n for v, n in vals) / total
         return metrics
+
+    def _traffic(self, tally: RoundTally) -> dict[str, float]:
+        """Bytes moved for the accepted updates, and how much the uplink codec saved."""
+        up = sum(p.metrics.get("bytes_up", 0.0) for p in tally.accepted)
+        down = sum(p.metrics.get("bytes_down", 0.0) for p in tally.accepted)
+        if not up:
+            return {}
+        raw = 4.0 * sum(math.prod(s.shape) for s in self._layout) * len(tally.accepted)
+        return {"bytes_up": up, "bytes_down": down, "compression_ratio": raw / up}

@@ -65,6 +65,15 @@ class DevicePool:
             if s.online and s.busy_with is None and task in s.profile.tasks
         ]
 
+    def eligible(self, task: str) -> list[DeviceProfile]:
+        """Online devices that have ``task`` installed, busy or not: the population a
+        round samples from (its size is the denominator of the sampling rate)."""
+        return [
+            s.profile
+            for _, s in sorted(self._devices.items())
+            if s.online and task in s.profile.tasks
+        ]
+
     def claim(self, device_ids: list[str], job_id: str) -> None:
         for device_id in device_ids:
             state = self._devices[device_id]

@@ -11,11 +11,18 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from flotilla.compression import Codec, decode_state_with, max_payload_bytes
 from flotilla.core.blobs import BlobAssembler
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, StaleRoundError, UpdateRejected, WireError
 from flotilla.core.records import DeviceRecord
-from flotilla.core.tensors import check_finite, decode_state
+from flotilla.core.tensors import (
+    ModelState,
+    TensorSpec,
+    check_finite,
+    decode_state,
+    read_metadata,
+)
 from flotilla.core.update import Update
 from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
@@ -30,6 +37,21 @@ log = logging.getLogger(__name__)
 HEADER_SLACK = 1024 * 1024
 #: Seconds past a round's deadline that an upload already under way may still finish in.
 UPLOAD_GRACE_S = 5.0
+#: Header codec names that mean plain safetensors of the delta.
+PLAIN_CODECS = {"": "none", "safetensors": "none"}
+
+
+def decode_update(
+    payload: memoryview, layout: tuple[TensorSpec, ...], codec: Codec, limit: int
+) -> ModelState:
+    """The delta in ``layout``, from plain safetensors or the job's codec payload.
+
+    Plain safetensors (no codec metadata) is always accepted for ``none``: it is what any
+    client in any language can write, and it decodes without a copy.
+    """
+    if codec.name == "none" and "codec" not in read_metadata(payload, limit):
+        return decode_state(payload, expected=layout, max_bytes=limit)
+    return decode_state_with(payload, layout, limit, codec=codec)
 
 
 def profile_from_pb(device_id: str, msg: pb.DeviceProfile) -> DeviceProfile:
@@ -136,15 +158,26 @@ class AgentService(pb_grpc.AgentServicer):
 
     async def FetchModel(
         self, request: pb.FetchModelRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.BlobChunk]:
+    ) -> None:
         device = await self._device(context)
         if not self.server.gateway.assigned_model(device.id, request.sha256):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "stale round: that model is not assigned to this device",
             )
-        async for chunk in self.server.stream_blob(request.sha256):
-            yield chunk
+        idle = self.server.config.timeouts.upload_idle
+        gateway = self.server.gateway
+        async with contextlib.aclosing(self.server.stream_blob(request.sha256)) as chunks:
+            async for chunk in chunks:
+                gateway.count_download(device.id, request.sha256, len(chunk.data))
+                try:
+                    # A reader that stops reading must not hold a download slot forever.
+                    await asyncio.wait_for(context.write(chunk), idle)
+                except asyncio.TimeoutError:
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, f"download stalled for {idle:.0f}s"
+                    )
+                self.server.pool.touch(device.id)  # a long download is a sign of life
 
     async def SubmitUpdate(
         self, request_iterator: AsyncIterator[pb.UpdateChunk], context: grpc.aio.ServicerContext
@@ -173,11 +206,18 @@ class AgentService(pb_grpc.AgentServicer):
         head = first.header
         gateway = self.server.gateway
         rnd = gateway.expect(device.id, head.job_id, head.round, head.round_token)
-        if head.codec not in ("", "safetensors"):
-            raise WireError(f"unknown update codec {head.codec!r}")
+        codec = rnd.task.codec
+        sent = PLAIN_CODECS.get(head.codec, head.codec)
+        if sent != codec.name:
+            raise WireError(
+                f"update codec {head.codec!r}; this job's uplink codec is {codec.name!r}"
+            )
         if head.num_samples <= 0:
             raise UpdateRejected("num_samples must be positive")
-        limit = sum(s.nbytes for s in rnd.task.layout) + HEADER_SLACK
+        limit = max(
+            sum(s.nbytes for s in rnd.task.layout) + HEADER_SLACK,
+            max_payload_bytes(codec, rnd.task.layout),
+        )
         if not 0 <= head.payload_size <= limit:
             raise WireError(f"update of {head.payload_size} bytes exceeds the limit of {limit}")
         # The buffer is allocated only once the byte budget admits it, so memory is bounded
@@ -186,13 +226,13 @@ class AgentService(pb_grpc.AgentServicer):
             assembler = BlobAssembler(head.payload_size, head.payload_sha256, limit)
             try:
                 payload = await asyncio.wait_for(
-                    self._read(chunks, assembler), self._time_left(rnd.task.deadline)
+                    self._read(chunks, assembler, device.id), self._time_left(rnd.task.deadline)
                 )
             except asyncio.TimeoutError:
                 raise StaleRoundError(
                     "stale round: the round closed before this update finished uploading"
                 ) from None
-            delta = decode_state(payload, expected=rnd.task.layout, max_bytes=limit)
+            delta = decode_update(payload, rnd.task.layout, codec, limit)
             # Refuse here, before delivery: a refusal from the engine would cost the device
             # its place in the round, so it could not send a corrected update.
             check_finite(delta)
@@ -202,13 +242,18 @@ class AgentService(pb_grpc.AgentServicer):
                 device_id=device.id,
                 num_samples=int(head.num_samples),
                 delta=delta,
-                metrics=dict(head.metrics),
+                metrics={
+                    **head.metrics,
+                    # Measured here, not reported: what this device cost the network.
+                    "bytes_up": float(head.payload_size),
+                    "bytes_down": float(rnd.bytes_down.get(device.id, 0)),
+                },
             )
             await gateway.deliver(rnd, update, self._time_left(rnd.task.deadline))
 
     async def _read(
-        self, chunks: AsyncIterator[pb.UpdateChunk], assembler: BlobAssembler
-    ) -> bytearray:
+        self, chunks: AsyncIterator[pb.UpdateChunk], assembler: BlobAssembler, device_id: str
+    ) -> memoryview:
         idle = self.server.config.timeouts.upload_idle
         stream = aiter(chunks)
         while True:
@@ -221,6 +266,7 @@ class AgentService(pb_grpc.AgentServicer):
             if msg.WhichOneof("part") != "data":
                 raise WireError("an update carries exactly one header")
             assembler.add(msg.data)
+            self.server.pool.touch(device_id)
 
     @staticmethod
     def _time_left(deadline: float) -> float:

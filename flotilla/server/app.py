@@ -21,7 +21,7 @@ from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecEr
 from flotilla.core.records import DeviceRecord, JobRecord
 from flotilla.core.spec import JobSpec
 from flotilla.core.timeouts import Timeouts
-from flotilla.engine import EngineConfig, JobRunner
+from flotilla.engine import EngineConfig, JobRunner, validate_spec
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
 from flotilla.scheduling import DevicePool, RandomSelector
@@ -54,6 +54,10 @@ class ServerConfig:
     upload_budget_bytes: int = 64 * 1024 * 1024
     max_message_bytes: int = 8 * 1024 * 1024
     speed_test_max_bytes: int = 16 * 1024 * 1024
+    #: Model downloads streamed at once; the rest wait. Each stream in flight holds
+    #: gRPC buffers, so this bounds server memory under a fleet-wide fetch.
+    download_slots: int = 8
+    download_chunk_bytes: int = CHUNK_BYTES
 
 
 class FederationServer:
@@ -67,6 +71,7 @@ class FederationServer:
         self.pool = DevicePool(clock=time.time)
         self.gateway = Gateway(self.pool, time.time)
         self.upload_budget = ByteBudget(config.upload_budget_bytes)
+        self.download_slots = asyncio.Semaphore(config.download_slots)
         self.store: Store
         self.port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -91,6 +96,11 @@ class FederationServer:
                 ("grpc.keepalive_time_ms", 30_000),
                 ("grpc.keepalive_timeout_ms", 10_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                # BDP probing grows each stream's receive window to megabytes, and gRPC
+                # then reads that far ahead into uploads still waiting for the byte
+                # budget: 100 waiting uploads would cost hundreds of MB. Fixed windows keep
+                # what is buffered per stream small; loopback and LAN speed is unchanged.
+                ("grpc.http2.bdp_probe", 0),
             ]
         )
         pb_grpc.add_AgentServicer_to_server(AgentService(self), self._grpc)
@@ -210,6 +220,7 @@ class FederationServer:
 
     async def submit_job(self, spec_json: str) -> JobRecord:
         spec = JobSpec.from_json(spec_json, "submitted spec")
+        validate_spec(spec)
         try:
             model_bytes = await asyncio.to_thread(initial_model, spec)
         except TaskLoadError as exc:
@@ -254,6 +265,7 @@ class FederationServer:
             evaluator=None,
             clock=time.time,
             config=self.config.engine,
+            spool_dir=self.state_dir / "spool" / job.id,
         )
         task = asyncio.ensure_future(self._run_job(runner))
         self._runners[job.id] = task
@@ -280,14 +292,15 @@ class FederationServer:
     async def stream_blob(self, sha256: str) -> AsyncIterator[pb.BlobChunk]:
         size = self.blobs.size(sha256)
         offset = 0
-        for data in self.blobs.iter_chunks(sha256, CHUNK_BYTES):
-            first = offset == 0
-            yield pb.BlobChunk(
-                data=data,
-                offset=offset,
-                total_size=size if first else 0,
-                sha256=sha256 if first else "",
-            )
-            offset += len(data)
+        async with self.download_slots:
+            for data in self.blobs.iter_chunks(sha256, self.config.download_chunk_bytes):
+                first = offset == 0
+                yield pb.BlobChunk(
+                    data=data,
+                    offset=offset,
+                    total_size=size if first else 0,
+                    sha256=sha256 if first else "",
+                )
+                offset += len(data)
         if size == 0:
             raise NotFoundError(f"blob {sha256} is empty")

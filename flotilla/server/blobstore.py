@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from flotilla.core.blobs import CHUNK_BYTES, sha256_hex
@@ -22,6 +23,8 @@ class BlobStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in self.root.glob("**/.tmp-*"):  # writes a crash cut short
+            leftover.unlink(missing_ok=True)
 
     def path(self, sha256: str) -> Path:
         if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
@@ -29,17 +32,29 @@ class BlobStore:
         return self.root / sha256[:2] / sha256
 
     def put(self, data: bytes | bytearray | memoryview) -> str:
-        sha = sha256_hex(data)
-        target = self.path(sha)
-        if target.exists() and self._intact(target, sha):
-            return sha
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+        return self.put_parts([data])
+
+    def put_parts(self, parts: Iterable[bytes | bytearray | memoryview]) -> str:
+        """Write a blob given as consecutive pieces, hashing as it goes.
+
+        A checkpoint is written straight from the model's arrays, never joined into one
+        model-sized buffer first.
+        """
+        digest = hashlib.sha256()
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
+                for part in parts:
+                    digest.update(part)
+                    fh.write(part)
                 fh.flush()
                 os.fsync(fh.fileno())
+            sha = digest.hexdigest()
+            target = self.path(sha)
+            if target.exists() and self._intact(target, sha):
+                Path(tmp).unlink()
+                return sha
+            target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -63,6 +78,25 @@ class BlobStore:
         if sha256_hex(data) != sha256:
             raise IntegrityError(f"blob {sha256} is corrupt on disk")
         return data
+
+    def get_mapped(self, sha256: str) -> memoryview:
+        """A verified blob as a read-only memory map: pages load only when read.
+
+        A round holds its global model for its whole length but reads it only to finalize;
+        mapped, it costs memory only then. Blobs are never rewritten in place, so the map
+        cannot change under the reader.
+        """
+        path = self.path(sha256)
+        try:
+            intact = self._intact(path, sha256)
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"no blob {sha256}") from exc
+        if not intact:
+            raise IntegrityError(f"blob {sha256} is corrupt on disk")
+        with path.open("rb") as fh:
+            if os.fstat(fh.fileno()).st_size == 0:
+                return memoryview(b"")
+            return memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
 
     def size(self, sha256: str) -> int:
         try:

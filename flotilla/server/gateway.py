@@ -28,6 +28,8 @@ class OpenRound:
     results: asyncio.Queue[RoundResult] = field(default_factory=asyncio.Queue)
     #: Devices whose upload timed out waiting for a verdict: told stale, so never aggregated.
     withdrawn: set[str] = field(default_factory=set)
+    #: Model bytes streamed to each device for this round.
+    bytes_down: dict[str, int] = field(default_factory=dict)
 
 
 class RoundStream:
@@ -132,6 +134,11 @@ class Gateway:
         return any(
             device_id in r.pending and r.task.model_sha256 == sha256 for r in self._rounds.values()
         )
+
+    def count_download(self, device_id: str, sha256: str, nbytes: int) -> None:
+        for r in self._rounds.values():
+            if device_id in r.pending and r.task.model_sha256 == sha256:
+                r.bytes_down[device_id] = r.bytes_down.get(device_id, 0) + nbytes
 
     def expect(self, device_id: str, job_id: str, round_no: int, round_token: str) -> OpenRound:
         """The open round an upload belongs to, or StaleRoundError."""

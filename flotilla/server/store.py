@@ -164,6 +164,7 @@ def _job_record(row: JobRow) -> JobRecord:
         created_at=row.created_at,
         updated_at=row.updated_at,
         metrics=_load_floats(row.metrics_json),
+        aggregator_sha256=row.aggregator_sha256,
     )
 
 
@@ -483,6 +484,7 @@ class Store:
                     )
                 job.rounds_committed = c.round
                 job.checkpoint_sha256 = c.checkpoint_sha256
+                job.aggregator_sha256 = c.aggregator_sha256
                 job.metrics_json = _floats(c.metrics)
                 job.updated_at = c.committed_at
                 job.state = "completed" if c.round == job.rounds_total else "running"

@@ -26,6 +26,8 @@ from flotilla.tasks.base import (
     load_model_state,
     load_task,
     model_state,
+    proximal_anchor,
+    proximal_term,
 )
 
 if TYPE_CHECKING:
@@ -43,6 +45,8 @@ __all__ = [
     "load_model_state",
     "load_task",
     "model_state",
+    "proximal_anchor",
+    "proximal_term",
 ]
 
 

@@ -161,3 +161,22 @@ def load_model_state(model: torch.nn.Module, state: Mapping[str, np.ndarray]) ->
         for name, tensor in own.items():
             # A private copy: wire states are often read-only views torch will not wrap.
             tensor.copy_(torch.from_numpy(np.array(state[name])))
+
+
+def proximal_anchor(model: torch.nn.Module, mu: float) -> dict[str, torch.Tensor]:
+    """FedProx: a frozen copy of the global weights the local ones are pulled toward.
+
+    Empty when ``mu`` is 0, so tasks can call it unconditionally.
+    """
+    if mu <= 0:
+        return {}
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def proximal_term(
+    model: torch.nn.Module, anchor: Mapping[str, torch.Tensor], mu: float
+) -> torch.Tensor:
+    """``mu/2 * ||w - w_global||^2`` over the trainable parameters (Li et al., 2020)."""
+    terms = [((p - anchor[n]) ** 2).sum() for n, p in model.named_parameters() if n in anchor]
+    total: torch.Tensor = sum(terms[1:], terms[0])
+    return 0.5 * mu * total

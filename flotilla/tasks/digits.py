@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from flotilla.tasks.base import Examples, LocalData, Shard
+from flotilla.tasks.base import Examples, LocalData, Shard, proximal_anchor, proximal_term
 
 if TYPE_CHECKING:
     from flotilla.core.spec import DataSection, TrainSection
@@ -175,6 +175,7 @@ class DigitsTask:
         )
         gen = torch.Generator().manual_seed(seed)
         loss_fn = nn.CrossEntropyLoss()
+        anchor = proximal_anchor(model, config.proximal_mu)
         model.train()
         total_loss, correct, seen = 0.0, 0, 0
         for _ in range(config.local_epochs):
@@ -183,6 +184,8 @@ class DigitsTask:
                 idx = order[start : start + config.batch_size]
                 logits = model(x[idx])
                 loss = loss_fn(logits, y[idx])
+                if anchor:
+                    loss = loss + proximal_term(model, anchor, config.proximal_mu)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()

@@ -1,0 +1,188 @@
+"""The :class:`Aggregator` protocol and the pieces every strategy shares.
+
+An aggregator lives as long as its job: ``begin`` opens a round on the current global
+model, ``add`` takes each accepted update, ``finalize`` returns the next global model.
+Whatever must survive a server restart (optimizer moments, clip norms, privacy history)
+comes out of ``state()`` as a flat tensor dict the engine stores next to the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+from flotilla.aggregation._kernels import axpy, check_state, check_update, check_weight, zeros
+from flotilla.core.errors import SpecError, UpdateRejected
+from flotilla.core.tensors import ModelState, TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Traits:
+    """What the engine must do differently for a strategy."""
+
+    #: Robust rules: the round's updates are spooled to disk and finalize reads them all.
+    needs_all_updates: bool = False
+    #: DP: call ``check_budget(q)`` before each round and ``spend(q)`` after finalize.
+    needs_sampling_rate: bool = False
+    #: FedBuff: ``add(update, weight, staleness=...)`` and finalize whenever ``ready()``.
+    asynchronous: bool = False
+
+
+@runtime_checkable
+class Aggregator(Protocol):
+    """Turns one round's accepted updates into the next global model."""
+
+    traits: ClassVar[Traits]
+
+    @property
+    def count(self) -> int:
+        """Updates accepted since ``begin``."""
+        ...
+
+    @property
+    def total_weight(self) -> float:
+        """Sum of the weights passed to ``add`` since ``begin``."""
+        ...
+
+    def begin(self, round: int, global_state: ModelState) -> None:
+        """Open ``round`` on ``global_state``; drops anything left from an unfinished round."""
+        ...
+
+    def add(self, update: Mapping[str, np.ndarray], weight: float) -> None:
+        """Validate the whole update (UpdateRejected leaves everything untouched), then use it."""
+        ...
+
+    def finalize(self) -> ModelState:
+        """The next global model; UpdateRejected when there is nothing or it is not finite."""
+        ...
+
+    def state(self) -> ModelState:
+        """Server state that must outlive the process: name -> array, scalars 0-d."""
+        ...
+
+    def restore(self, state: ModelState) -> None:
+        """Load what ``state()`` returned; SpecError when it does not fit this aggregator."""
+        ...
+
+    def client_config(self) -> dict[str, float]:
+        """Extra task config clients need (FedProx's ``proximal_mu``); usually empty."""
+        ...
+
+    def close(self) -> None:
+        """Release disk spool and buffers; idempotent."""
+        ...
+
+
+def require(ok: bool, param: str, rule: str, value: object) -> None:
+    """Raise SpecError naming ``param`` unless ``ok``."""
+    if not ok:
+        raise SpecError(f"{param} must be {rule}, got {value!r}")
+
+
+def positive(param: str, value: float) -> None:
+    require(value > 0 and math.isfinite(value), param, "a finite number > 0", value)
+
+
+def fraction(param: str, value: float, *, closed_low: bool = True) -> None:
+    ok = (0.0 <= value < 1.0) if closed_low else (0.0 < value < 1.0)
+    require(ok, param, "in [0, 1)" if closed_low else "in (0, 1)", value)
+
+
+def validate(layout: tuple[TensorSpec, ...], update: Mapping[str, np.ndarray], w: float) -> None:
+    """Everything an aggregator checks before it touches any of its own state."""
+    check_weight(w)
+    check_update(layout, update)
+
+
+class RoundGuard:
+    """begin/finalize bookkeeping: which round is open and on which global model."""
+
+    def __init__(self, layout: tuple[TensorSpec, ...]) -> None:
+        self.layout = layout
+        self.round = 0
+        self._global: ModelState | None = None
+
+    def begin(self, round: int, global_state: Mapping[str, np.ndarray]) -> None:
+        check_state(self.layout, global_state, "global_state")
+        self.round = round
+        self._global = dict(global_state)
+
+    def open(self) -> ModelState:
+        """The round's global model; RuntimeError when no round is open."""
+        if self._global is None:
+            raise RuntimeError("no round is open: call begin(round, global_state) first")
+        return self._global
+
+    def end(self) -> None:
+        self._global = None
+
+
+class WeightedSum:
+    """Running ``sum(c_i * x_i)``: one float32 buffer per tensor, whatever the fleet size."""
+
+    def __init__(self, layout: tuple[TensorSpec, ...]) -> None:
+        self._layout = layout
+        self._acc: ModelState | None = None
+        self.count = 0
+        self.total_weight = 0.0
+
+    def reset(self) -> None:
+        self._acc = None
+        self.count = 0
+        self.total_weight = 0.0
+
+    def fold(self, update: Mapping[str, np.ndarray], coef: float, weight: float) -> None:
+        """Add ``coef * update``; the caller has validated it. ``weight`` adds to the total."""
+        if self._acc is None:
+            self._acc = zeros(self._layout)  # allocated on first use: a retried round is free
+        for name, acc in self._acc.items():
+            axpy(acc, update[name], coef)
+        self.count += 1
+        self.total_weight += weight
+
+    def take(self, scale: float) -> ModelState:
+        """Hand out ``scale * sum`` (the buffers themselves) and start empty again."""
+        if self._acc is None or self.count == 0:
+            raise UpdateRejected("no updates to aggregate")
+        acc, self._acc = self._acc, None
+        with np.errstate(over="ignore", invalid="ignore"):
+            for buf in acc.values():
+                np.multiply(buf, np.float32(scale), out=buf)
+        self.count = 0
+        self.total_weight = 0.0
+        return acc
+
+
+def tensor_state(prefix: str, arrays: Mapping[str, np.ndarray]) -> ModelState:
+    """``{prefix/name: array}``: per-tensor server state under a strategy's namespace."""
+    return {f"{prefix}/{name}": arr for name, arr in arrays.items()}
+
+
+def restore_tensors(
+    prefix: str, layout: tuple[TensorSpec, ...], state: Mapping[str, np.ndarray]
+) -> ModelState | None:
+    """The per-tensor arrays saved under ``prefix``, float32 copies; None when absent."""
+    keys = {f"{prefix}/{s.name}": s for s in layout}
+    present = [k for k in keys if k in state]
+    if not present:
+        return None
+    if len(present) != len(keys):
+        missing = sorted(set(keys) - set(present))
+        raise SpecError(f"aggregator state is missing {missing}")
+    out: ModelState = {}
+    for key, spec in keys.items():
+        arr = np.asarray(state[key])
+        if tuple(arr.shape) != spec.shape:
+            raise SpecError(f"aggregator state {key!r} has shape {list(arr.shape)}")
+        out[spec.name] = np.array(arr, dtype=np.float32)
+    return out
+
+
+def refuse_unknown(state: Mapping[str, np.ndarray], known: set[str], strategy: str) -> None:
+    extra = sorted(set(state) - known)
+    if extra:
+        raise SpecError(f"state keys {extra} do not belong to strategy {strategy!r}")

@@ -1,0 +1,49 @@
+"""Update codecs: how a model delta shrinks before it travels, torch-free (numpy only).
+
+- ``codec``: the :class:`Codec` protocol, :class:`CodecContext` (randomness), the
+  per-tensor payload envelope.
+- ``floats``: ``none``, ``fp16`` (saturating), ``bf16`` (round to nearest even).
+- ``quantize``: blockwise absmax ``int8`` and ``int4``; stochastic, unbiased ``qsgd``.
+- ``sparse``: ``topk`` and ``randk`` (indices regenerated from a seed).
+- ``registry``: :data:`CODEC_NAMES`, :func:`make_codec`.
+- ``state``: whole-model payloads, :func:`encode_state_with`, :func:`decode_state_with`,
+  and their size bounds.
+- ``feedback``: :class:`ErrorFeedback`, per-job residuals saved in the agent's state dir.
+
+Payloads are safetensors bytes (never pickle); see docs/compression.md.
+"""
+
+from flotilla.compression.codec import Codec, CodecContext, Pieces
+from flotilla.compression.feedback import ErrorFeedback
+from flotilla.compression.floats import Bf16Codec, Fp16Codec, NoneCodec
+from flotilla.compression.quantize import Int4Codec, Int8Codec, QsgdCodec
+from flotilla.compression.registry import CODEC_NAMES, codec_from_metadata, make_codec
+from flotilla.compression.sparse import RandKCodec, TopKCodec
+from flotilla.compression.state import (
+    decode_state_with,
+    encode_state_with,
+    max_payload_bytes,
+    theoretical_bytes,
+)
+
+__all__ = [
+    "CODEC_NAMES",
+    "Bf16Codec",
+    "Codec",
+    "CodecContext",
+    "ErrorFeedback",
+    "Fp16Codec",
+    "Int4Codec",
+    "Int8Codec",
+    "NoneCodec",
+    "Pieces",
+    "QsgdCodec",
+    "RandKCodec",
+    "TopKCodec",
+    "codec_from_metadata",
+    "decode_state_with",
+    "encode_state_with",
+    "make_codec",
+    "max_payload_bytes",
+    "theoretical_bytes",
+]

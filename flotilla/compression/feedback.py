@@ -1,0 +1,171 @@
+"""Error feedback: what a lossy codec dropped this round is added back to the next delta.
+
+``target = delta + residual; send C(target); residual = target - decode(C(target))``. Over
+rounds the sum of what was sent equals the sum of the deltas minus the last residual, so
+nothing is lost for good. Residuals live on the agent, one file per job in its state dir,
+and survive restarts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from flotilla.core.errors import WireError
+from flotilla.core.tensors import TensorSpec, decode_state, encode_state, read_metadata
+
+log = logging.getLogger(__name__)
+
+_FORMAT = "flotilla.error-feedback/1"
+#: Largest residual file we read back (a sanity bound, not a budget).
+MAX_FILE_BYTES = 1 << 36
+
+
+class ErrorFeedback:
+    """Residuals for one job, by tensor name; saved atomically when a directory is given."""
+
+    def __init__(self, job_id: str, directory: Path | None = None) -> None:
+        self.job_id = job_id
+        self.directory = directory
+        self._residuals: dict[str, np.ndarray] = {}
+
+    @property
+    def path(self) -> Path | None:
+        """``<directory>/ef-<sha256(job id)[:32]>.safetensors``: any job id is a safe name."""
+        if self.directory is None:
+            return None
+        digest = hashlib.sha256(self.job_id.encode()).hexdigest()[:32]
+        return self.directory / f"ef-{digest}.safetensors"
+
+    @classmethod
+    def load(
+        cls, job_id: str, directory: Path, layout: Iterable[TensorSpec] | None = None
+    ) -> ErrorFeedback:
+        """The saved residuals for ``job_id`` (none if absent or unreadable, with a warning).
+
+        With ``layout``, residuals for unknown tensors or of the wrong shape are dropped.
+        """
+        fb = cls(job_id, directory)
+        path = fb.path
+        assert path is not None
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return fb
+        except OSError as exc:
+            log.warning("error feedback for job %s: cannot read %s: %s", job_id, path, exc)
+            return fb
+        try:
+            meta = read_metadata(raw, MAX_FILE_BYTES)
+            state = decode_state(raw, None, MAX_FILE_BYTES)
+        except WireError as exc:
+            log.warning(
+                "error feedback for job %s: %s is corrupt (%s); starting afresh", job_id, path, exc
+            )
+            return fb
+        if meta.get("format") != _FORMAT or meta.get("job_id") != job_id:
+            log.warning("error feedback file %s is not for job %s; ignored", path, job_id)
+            return fb
+        shapes = None if layout is None else {s.name: s.shape for s in layout}
+        for name, arr in state.items():
+            if shapes is not None and shapes.get(name) != arr.shape:
+                log.warning(
+                    "error feedback for job %s: dropping residual %r of shape %s (layout says %s)",
+                    job_id,
+                    name,
+                    arr.shape,
+                    shapes.get(name),
+                )
+            elif arr.dtype != np.float32 or not np.isfinite(arr).all():
+                log.warning(
+                    "error feedback for job %s: dropping residual %r (%s, non-finite "
+                    "or not float32)",
+                    job_id,
+                    name,
+                    arr.dtype,
+                )
+            else:
+                fb._residuals[name] = np.array(arr)
+        return fb
+
+    def __len__(self) -> int:
+        return len(self._residuals)
+
+    def residual(self, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        """The residual for ``name``; one of another shape is dropped with a warning."""
+        res = self._residuals.get(name)
+        if res is not None and res.shape != tuple(shape):
+            log.warning(
+                "error feedback for job %s: residual %r has shape %s, tensor has %s; dropped",
+                self.job_id,
+                name,
+                res.shape,
+                tuple(shape),
+            )
+            del self._residuals[name]
+            return None
+        return res
+
+    def compensate(self, name: str, shape: tuple[int, ...], flat: np.ndarray) -> np.ndarray:
+        """``delta + residual`` as a new flat float32 array (the delta itself is not touched)."""
+        res = self.residual(name, shape)
+        if res is None:
+            return np.array(flat, dtype=np.float32)
+        out: np.ndarray = flat + res.reshape(-1)
+        return out
+
+    def update(
+        self, name: str, shape: tuple[int, ...], target: np.ndarray, decoded: np.ndarray
+    ) -> None:
+        """Keep ``target - decoded``: what the receiver will not see this round."""
+        self._residuals[name] = (target - decoded.reshape(-1)).reshape(shape)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self._residuals.items()}
+
+    def load_state_dict(self, residuals: dict[str, np.ndarray]) -> None:
+        self._residuals = {k: np.array(v, dtype=np.float32) for k, v in residuals.items()}
+
+    def save(self) -> None:
+        """Write the residuals atomically (temp file, fsync, rename); owner-only permissions."""
+        path = self.path
+        if path is None:
+            return
+        payload = encode_state(self._residuals, {"format": _FORMAT, "job_id": self.job_id})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(payload)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        _fsync_dir(path.parent)
+
+    def clear(self) -> None:
+        """Forget every residual and delete the file (the job ended or its model changed)."""
+        self._residuals.clear()
+        path = self.path
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,135 @@
+"""Asynchronous buffered rounds (FedBuff): devices train without waiting for each other.
+
+Up to ``job.clients_per_round`` devices train at once, each on the newest model when it
+was dispatched. Every update is folded as it arrives, down-weighted by how many models
+were committed since its device started (its staleness); each ``buffer_size`` arrivals
+commit a new model as the job's next round. A device that finishes is topped up with
+fresh work at once, so no round waits for a straggler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from flotilla.core.errors import UpdateRejected
+from flotilla.core.tensors import decode_state
+from flotilla.engine.backend import Delivered, Failed, RoundResult
+from flotilla.scheduling import RoundOutcome
+
+if TYPE_CHECKING:
+    from flotilla.engine.rounds import JobRunner
+
+log = logging.getLogger(__name__)
+
+Arrival = tuple[int, RoundResult]
+
+
+async def _drain(
+    results: AsyncIterator[RoundResult],
+    version: int,
+    expected: int,
+    deadline: float,
+    runner: JobRunner,
+    out: asyncio.Queue[Arrival],
+) -> None:
+    """Forward one dispatch's results, tagged with the model version they trained on."""
+    async with contextlib.aclosing(results):  # type: ignore[type-var]
+        for _ in range(expected):
+            remaining = deadline - runner.clock()
+            if remaining <= 0:
+                return
+            try:
+                result = await asyncio.wait_for(results.__anext__(), timeout=remaining)
+            except (StopAsyncIteration, asyncio.TimeoutError):
+                return
+            await out.put((version, result))
+
+
+async def run_buffered(runner: JobRunner) -> None:
+    from flotilla.engine.rounds import RoundTally
+
+    aggregator = runner._aggregator
+    model = decode_state(
+        await asyncio.to_thread(runner.blobs.get_mapped, runner.job.checkpoint_sha256)
+    )
+    aggregator.begin(runner.job.rounds_committed, model)
+    del model
+    arrivals: asyncio.Queue[Arrival] = asyncio.Queue()
+    readers: set[asyncio.Task[None]] = set()
+    training: set[str] = set()
+    tally = RoundTally()
+    started = runner.clock()
+    try:
+        while runner.job.rounds_committed < runner.job.rounds_total:
+            _top_up(runner, training, readers, arrivals)
+            try:
+                version, result = await asyncio.wait_for(
+                    arrivals.get(), timeout=runner.config.idle_poll_s
+                )
+            except asyncio.TimeoutError:
+                continue
+            device_id = result.device_id if isinstance(result, Failed) else result.update.device_id
+            training.discard(device_id)
+            runner.pool.release(device_id, runner.job.id)
+            staleness = runner.job.rounds_committed - version
+            runner.fold(result, tally, staleness=staleness)
+            if isinstance(result, Delivered):
+                runner.selector.observe(
+                    RoundOutcome(runner.job.id, version + 1, {device_id: result.elapsed_s}, ())
+                )
+            del result
+            if not aggregator.ready():  # type: ignore[attr-defined]
+                continue
+            try:
+                await runner.commit(runner.job.rounds_committed + 1, started, tally)
+            except UpdateRejected as exc:
+                # FedBuff dropped the buffer and kept the current model: carry on.
+                log.warning("job %s: buffered step not committed: %s", runner.job.id, exc)
+            tally = RoundTally()
+            started = runner.clock()
+    finally:
+        for reader in readers:
+            reader.cancel()
+        for reader in list(readers):
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+        for device_id in training:
+            runner.pool.release(device_id, runner.job.id)
+
+
+def _top_up(
+    runner: JobRunner,
+    training: set[str],
+    readers: set[asyncio.Task[None]],
+    arrivals: asyncio.Queue[Arrival],
+) -> None:
+    """Dispatch the newest model to idle devices until ``clients_per_round`` are training."""
+    job = runner.spec.job
+    free = job.clients_per_round - len(training)
+    idle = runner.pool.idle(job.task) if free > 0 else []
+    if not idle:
+        return
+    chosen = runner.selector.select(runner.job.id, idle, free)
+    if not chosen:
+        return
+    runner.pool.claim(chosen, runner.job.id)
+    training.update(chosen)
+    version = runner.job.rounds_committed
+    task = runner._task(version + 1, runner.clock())
+    results = runner.backend.dispatch(task, chosen)
+    reader = asyncio.ensure_future(
+        _drain(results, version, len(chosen), task.deadline, runner, arrivals)
+    )
+    readers.add(reader)
+
+    def finished(done: asyncio.Task[None]) -> None:
+        readers.discard(done)
+        # Devices of this dispatch that never reported no longer count as training; the
+        # gateway frees them when they poll again.
+        training.difference_update(chosen)
+
+    reader.add_done_callback(finished)

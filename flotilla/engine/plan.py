@@ -1,0 +1,73 @@
+"""A job spec turned into the parts the engine runs: aggregator, codecs, client config.
+
+Building the plan checks every name and parameter in the spec (strategy, codecs), so a
+bad spec is refused at submission with an error that lists the valid choices, not at the
+first round.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flotilla.aggregation import Aggregator, Traits, make_aggregator, parse_params, strategy_info
+from flotilla.compression import Codec, make_codec
+from flotilla.core.errors import SpecError
+from flotilla.core.spec import JobSpec
+from flotilla.core.tensors import TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class JobPlan:
+    spec: JobSpec
+    traits: Traits
+    strategy_params: Any
+    uplink: Codec
+    #: None: the exact model is broadcast.
+    downlink: Codec | None
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> JobPlan:
+        agg = spec.aggregation
+        info = strategy_info(agg.strategy)
+        params = parse_params(agg.strategy, agg.params)
+        comp = spec.compression
+        uplink = _codec("compression.uplink", comp.uplink, comp.uplink_params)
+        downlink = _codec("compression.downlink", comp.downlink, comp.downlink_params)
+        if comp.error_feedback and uplink.name == "none":
+            raise SpecError("compression.error_feedback needs a lossy compression.uplink codec")
+        return cls(spec, info.traits, params, uplink, None if downlink.name == "none" else downlink)
+
+    def aggregator(self, layout: tuple[TensorSpec, ...], spool_dir: Path | None) -> Aggregator:
+        return make_aggregator(
+            self.spec.aggregation.strategy, self.strategy_params, layout, spool_dir
+        )
+
+    def client_config_json(
+        self, layout: tuple[TensorSpec, ...], extra_train: Mapping[str, float]
+    ) -> str:
+        """What devices get with each task: train, data and compression settings."""
+        full = self.spec.to_dict()
+        config: dict[str, Any] = {
+            "train": {**full["train"], **extra_train},
+            "data": full["data"],
+            "compression": full["compression"],
+        }
+        if self.downlink is not None:
+            config["layout"] = [[s.name, s.dtype, list(s.shape)] for s in layout]
+        return json.dumps(config, sort_keys=True)
+
+
+def _codec(field: str, name: str, params: Mapping[str, Any]) -> Codec:
+    try:
+        return make_codec(name, params)
+    except SpecError as exc:
+        raise SpecError(f"{field}: {exc}") from exc
+
+
+def validate_spec(spec: JobSpec) -> None:
+    """Refuse a spec whose strategy or codecs are unknown or misconfigured."""
+    JobPlan.from_spec(spec)
