@@ -157,7 +157,7 @@ def _client(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SpecError(f"--shard: {exc}") from exc
     load_task(args.task)  # fail now, not at the first round
-    trainer = LocalTrainer(args.task, shard, data_path=args.data)
+    trainer = LocalTrainer(args.task, shard, data_path=args.data, state_dir=args.state_dir)
     config = AgentConfig(
         server=args.server,
         token=args.token,

@@ -16,6 +16,7 @@ from flotilla.proto import flotilla_pb2 as pb
 from flotilla.tasks import DigitsTask, Shard, model_state
 
 DIGITS = "flotilla.tasks.digits:DigitsTask"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"
 
 
 def work_order(spec: JobSpec, seed: int = 1) -> pb.TrainTask:
@@ -70,3 +71,89 @@ def test_data_flag_on_a_task_without_files_is_refused(tmp_path: Path) -> None:
     state = state_of(task.build_model(0))
     with pytest.raises(TaskLoadError, match="does not read local files"):
         trainer.train(encode_state(state), work_order(JobSpec()))
+
+
+def plan_order(spec: JobSpec, job_id: str = "j", seed: int = 1) -> pb.TrainTask:
+    """A work order exactly as the engine writes it for ``spec``."""
+    from flotilla.engine import JobPlan
+
+    plan = JobPlan.from_spec(spec)
+    layout = state_spec(model_state(DigitsTask().build_model(0)))
+    config = plan.client_config_json(layout, {})
+    return pb.TrainTask(job_id=job_id, round=1, round_token="t", config_json=config, seed=seed)
+
+
+def test_the_uplink_codec_shrinks_the_update_and_the_server_decodes_it() -> None:
+    from flotilla.compression import make_codec
+    from flotilla.server.agent_service import decode_update
+
+    global_state = model_state(DigitsTask().build_model(0))
+    layout = state_spec(global_state)
+    plain = LocalTrainer(DIGITS, Shard(0, 5)).train(
+        encode_state(global_state), plan_order(JobSpec())
+    )
+    spec = JobSpec.load(EXAMPLE, ["compression.uplink=int8"])
+    small = LocalTrainer(DIGITS, Shard(0, 5)).train(encode_state(global_state), plan_order(spec))
+    assert small.codec == "int8"
+    assert len(plain.payload) / len(small.payload) > 3.5
+    exact = decode_state(plain.payload, expected=layout)
+    got = decode_update(memoryview(small.payload), layout, make_codec("int8"), 1 << 24)
+    for name, value in exact.items():
+        block_max = np.abs(value).max()
+        assert np.abs(got[name] - value).max() <= block_max / 127 + 1e-7
+
+
+def test_error_feedback_residuals_survive_an_agent_restart(tmp_path: Path) -> None:
+    global_state = encode_state(model_state(DigitsTask().build_model(0)))
+    spec = JobSpec.load(
+        EXAMPLE,
+        ["compression.uplink=topk", "compression.uplink_params.fraction=0.01",
+         "compression.error_feedback=true"],
+    )  # fmt: skip
+    LocalTrainer(DIGITS, Shard(0, 5), state_dir=tmp_path).train(global_state, plan_order(spec))
+    files = list(tmp_path.glob("ef-*.safetensors"))
+    assert len(files) == 1, "the residual is saved in the agent's state dir"
+    saved = decode_state(files[0].read_bytes())
+    assert sum(float(np.abs(v).sum()) for v in saved.values()) > 0, "top-1% leaves a residual"
+
+    # A new agent process (new trainer) picks the residual up: its update differs from one
+    # made without it.
+    resumed = LocalTrainer(DIGITS, Shard(0, 5), state_dir=tmp_path).train(
+        global_state, plan_order(spec)
+    )
+    fresh = LocalTrainer(DIGITS, Shard(0, 5), state_dir=tmp_path / "other").train(
+        global_state, plan_order(spec)
+    )
+    assert resumed.payload != fresh.payload
+
+
+def test_update_momentum_smooths_deltas_across_rounds(tmp_path: Path) -> None:
+    global_state = model_state(DigitsTask().build_model(0))
+    layout = state_spec(global_state)
+    spec = JobSpec.load(EXAMPLE, ["train.update_momentum=0.5"])
+    trainer = LocalTrainer(DIGITS, Shard(0, 5), state_dir=tmp_path)
+    first = decode_state(trainer.train(encode_state(global_state), plan_order(spec)).payload)
+    raw = decode_state(
+        LocalTrainer(DIGITS, Shard(0, 5))
+        .train(encode_state(global_state), plan_order(JobSpec()))
+        .payload,
+        expected=layout,
+    )
+    for name in raw:
+        np.testing.assert_allclose(first[name], 0.5 * raw[name], rtol=1e-5, atol=1e-7)
+    second = decode_state(trainer.train(encode_state(global_state), plan_order(spec)).payload)
+    for name in raw:  # m2 = 0.5 * m1 + 0.5 * raw = 0.75 * raw (same model, same seed)
+        np.testing.assert_allclose(second[name], 0.75 * raw[name], rtol=1e-5, atol=1e-7)
+
+
+def test_fedprox_term_keeps_local_weights_near_the_global_model() -> None:
+    global_state = encode_state(model_state(DigitsTask().build_model(0)))
+
+    def drift(mu: float) -> float:
+        spec = JobSpec.load(EXAMPLE, [f"train.proximal_mu={mu}", "train.local_epochs=3"])
+        delta = decode_state(
+            LocalTrainer(DIGITS, Shard(0, 5)).train(global_state, plan_order(spec)).payload
+        )
+        return float(np.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in delta.values())))
+
+    assert drift(10.0) < 0.5 * drift(0.0)

@@ -9,7 +9,10 @@ import sys
 
 import pytest
 
-SUBPACKAGES = ["core", "aggregation", "scheduling", "engine", "client", "tasks", "server", "proto"]
+SUBPACKAGES = [
+    "core", "compression", "aggregation", "scheduling", "engine", "client", "tasks", "server",
+    "proto",
+]  # fmt: skip
 
 
 HEAVY_CHECKS = {
@@ -20,7 +23,11 @@ HEAVY_CHECKS = {
     "flotilla.engine": ("flotilla.server", "flotilla.client", "torch", "sqlalchemy", "grpc"),
     "flotilla.aggregation": ("flotilla.server", "flotilla.client", "torch", "grpc"),
     "flotilla.scheduling": ("flotilla.server", "flotilla.client", "torch", "grpc"),
-}
+    "flotilla.compression": (
+        "flotilla.server", "flotilla.client", "flotilla.aggregation", "torch", "grpc",
+        "sqlalchemy",
+    ),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -196,8 +196,9 @@ class Krum:
         m = min(self.m or n - self.f, n - self.f) if self.multi else 1
         chosen = np.sort(np.argsort(scores, kind="stable")[:m])
         self.selected = tuple(int(i) for i in chosen)
-        for sl in column_blocks(n, out.size):
-            out[sl] = spool.columns(sl.start, sl.stop)[chosen].mean(axis=0, dtype=np.float64)
+        for sl in column_blocks(m, out.size):  # reads only the chosen rows
+            block = spool.columns(sl.start, sl.stop, self.selected)
+            out[sl] = block.mean(axis=0, dtype=np.float64)
 
 
 class CenteredClipping:

@@ -1,9 +1,8 @@
 """A round's updates on disk, for rules that need all of them at once (median, Krum, ...).
 
 Each update becomes one row of float32s in a file; finalize reads column blocks of every
-row through ``np.memmap``, so RAM holds ``block x n`` values, never ``n x model``. A fresh
-map per block keeps the resident set bounded too: mapped file pages count as RSS until
-unmapped.
+row through ``np.memmap``, so RAM holds ``block x n`` values, never ``n x model``. Each row
+segment gets its own short-lived map: mapped file pages count as RSS until unmapped.
 
 Rows are appended with ``os.pwrite`` rather than through a writable map: a full disk then
 raises ``ENOSPC`` (the update is refused and the row rolled back) instead of ``SIGBUS``.
@@ -21,7 +20,7 @@ import os
 import shutil
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,15 +164,26 @@ class UpdateSpool:
             data, offset = data[written:], offset + written
         return offset
 
-    def columns(self, start: int, stop: int) -> np.ndarray:
-        """Elements ``[start, stop)`` of every row: an in-RAM ``(count, stop - start)`` copy."""
+    def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> np.ndarray:
+        """Elements ``[start, stop)`` of every row (or of ``rows``), copied into RAM.
+
+        One small map per row segment, unmapped at once: a map over the whole file would
+        let the kernel map whole large folios around each fault (up to 2 MiB per row), so
+        the resident set would briefly reach ``rows x 2 MiB``.
+        """
         if self.path is None or self.count == 0:
             raise RuntimeError("the spool holds no updates")
-        rows = np.memmap(self.path, dtype=np.float32, mode="r", shape=(self.count, self.row_elems))
-        try:
-            return np.array(rows[:, start:stop])
-        finally:
-            del rows  # unmap now: its pages would otherwise stay in this process's RSS
+        picked = range(self.count) if rows is None else rows
+        out = np.empty((len(picked), stop - start), dtype=np.float32)
+        with open(self.path, "rb") as fh:
+            for k, i in enumerate(picked):
+                if not 0 <= i < self.count:
+                    raise IndexError(f"row {i} of {self.count}")
+                offset = i * self.row_bytes + 4 * start
+                seg = np.memmap(fh, dtype=np.float32, mode="r", offset=offset, shape=out.shape[1:])
+                out[k] = seg
+                del seg
+        return out
 
     def close(self) -> None:
         """Remove the file; safe to call twice, and run at garbage collection too."""

@@ -263,18 +263,7 @@ class JobRunner:
         sha, agg_sha = await asyncio.to_thread(self._write_checkpoint, new_model)
         metrics.update(await self._metrics(new_model, tally))
         del new_model
-        participants = tuple(
-            ParticipationRecord(
-                job_id=p.job_id,
-                round=round_no,
-                device_id=p.device_id,
-                num_samples=p.num_samples,
-                started_at=p.started_at,
-                finished_at=p.finished_at,
-                metrics=p.metrics,
-            )
-            for p in tally.accepted
-        )
+        participants = _per_device(tally.accepted, round_no)
         commit = RoundCommit(
             job_id=self.job.id,
             round=round_no,
@@ -332,3 +321,30 @@ class JobRunner:
             return {}
         raw = 4.0 * sum(math.prod(s.shape) for s in self._layout) * len(tally.accepted)
         return {"bytes_up": up, "bytes_down": down, "compression_ratio": raw / up}
+
+
+def _per_device(
+    accepted: list[ParticipationRecord], round_no: int
+) -> tuple[ParticipationRecord, ...]:
+    """One record per device for the committed round.
+
+    Under FedBuff a fast device can land two updates in one buffer; its samples and bytes
+    add up, and its span covers both.
+    """
+    merged: dict[str, ParticipationRecord] = {}
+    for p in accepted:
+        prev = merged.get(p.device_id)
+        if prev is None:
+            merged[p.device_id] = ParticipationRecord(
+                p.job_id, round_no, p.device_id, p.num_samples, p.started_at, p.finished_at,
+                dict(p.metrics),
+            )  # fmt: skip
+            continue
+        metrics = {**prev.metrics, **p.metrics}
+        for key in ("bytes_up", "bytes_down"):
+            metrics[key] = prev.metrics.get(key, 0.0) + p.metrics.get(key, 0.0)
+        merged[p.device_id] = ParticipationRecord(
+            p.job_id, round_no, p.device_id, prev.num_samples + p.num_samples,
+            min(prev.started_at, p.started_at), max(prev.finished_at, p.finished_at), metrics,
+        )  # fmt: skip
+    return tuple(merged.values())

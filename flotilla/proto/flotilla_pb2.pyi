@@ -190,7 +190,7 @@ class GetJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., with_rounds: _Optional[bool] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round", "metrics", "participants", "started_at", "committed_at")
+    __slots__ = ("round", "metrics", "participants", "started_at", "committed_at", "devices")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -203,12 +203,31 @@ class RoundInfo(_message.Message):
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     round: int
     metrics: _containers.ScalarMap[str, float]
     participants: _containers.RepeatedScalarFieldContainer[str]
     started_at: float
     committed_at: float
-    def __init__(self, round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., participants: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., committed_at: _Optional[float] = ...) -> None: ...
+    devices: _containers.RepeatedCompositeFieldContainer[Participation]
+    def __init__(self, round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., participants: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[Participation, _Mapping]]] = ...) -> None: ...
+
+class Participation(_message.Message):
+    __slots__ = ("device_id", "num_samples", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    num_samples: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, device_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobInfo(_message.Message):
     __slots__ = ("id", "name", "state", "rounds_committed", "rounds_total", "metrics", "rounds", "task", "created_at", "spec_json")

@@ -132,7 +132,11 @@ class AgentService(pb_grpc.AgentServicer):
         device = await self._device(context)
         profile = request.profile if request.HasField("profile") else None
         await self.server.device_seen(device, profile)
-        task = await self.server.gateway.poll(device.id, self.server.config.timeouts.poll_hold)
+        timeouts = self.server.config.timeouts
+        # A held poll is a live device: hold it for less than the liveness window, so the
+        # reaper never drops an agent that is simply waiting for work.
+        hold = min(timeouts.poll_hold, timeouts.liveness / 2)
+        task = await self.server.gateway.poll(device.id, hold)
         if task is None:
             return pb.PollReply()
         return pb.PollReply(

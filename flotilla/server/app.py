@@ -280,6 +280,10 @@ class FederationServer:
             raise
         except FlotillaError as exc:
             log.error("job %s stopped: %s", job_id, exc)
+            with contextlib.suppress(Exception):
+                job = await self.store.get_job(job_id)
+                if job is not None and not job.terminal:
+                    await self.store.set_job_state(job_id, "failed")
         except Exception:
             log.exception("job %s failed", job_id)
             with contextlib.suppress(Exception):

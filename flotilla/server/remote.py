@@ -52,6 +52,14 @@ def job_json(info: pb.JobInfo, with_rounds: bool = False) -> dict[str, Any]:
                 "round": r.round,
                 "metrics": dict(r.metrics),
                 "participants": list(r.participants),
+                "devices": [
+                    {
+                        "device_id": d.device_id,
+                        "num_samples": d.num_samples,
+                        "metrics": dict(d.metrics),
+                    }
+                    for d in r.devices
+                ],
                 "started_at": r.started_at,
                 "committed_at": r.committed_at,
             }
