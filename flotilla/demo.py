@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,9 @@ def example_spec_path() -> Path:
 
 
 def start_agents(port: int, token: str, count: int, logs: Path) -> list[subprocess.Popen[bytes]]:
+    # Eight agents share this machine's cores: one math thread each keeps torch's thread
+    # pools from fighting over them (a real device runs one agent and keeps its default).
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     procs = []
     for i in range(count):
         log = (logs / f"agent-{i}.log").open("wb")
@@ -45,7 +49,7 @@ def start_agents(port: int, token: str, count: int, logs: Path) -> list[subproce
             "--shard",
             f"{i}/{count}",
         ]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
     return procs
 
 

@@ -48,6 +48,11 @@ if TYPE_CHECKING:
 #: Set to ``1`` in the environment of the agent processes that are Byzantine.
 BYZANTINE_ENV = "FLOTILLA_TEST_BYZANTINE"
 ATTACKS = ("none", "gaussian", "signflip", "ipm", "alie", "labelflip")
+#: Every agent, honest or not, clamps each gradient element to this: a model wrecked by an
+#: attack then still trains to finite numbers, so FedAvg ends its rounds (badly) instead of
+#: stalling on updates the server refuses as non-finite. Healthy digits gradients stay
+#: well inside it.
+GRAD_CLAMP = 10.0
 
 
 def alie_z(n: int, f: int) -> float:
@@ -79,20 +84,34 @@ class ByzantineDigits(DigitsTask):
         if attack not in ATTACKS:
             raise ValueError(f"train.params.attack must be one of {ATTACKS}, got {attack!r}")
         if not self.byzantine or attack == "none":
-            return super().train(model, data, config, seed)
+            return self._fit(model, data, config, seed)
         honest = dataclasses.replace(config, params={})
         n = data.num_train
         metrics: dict[str, float] = {}
         if attack == "labelflip":
             x, y = data.train
             flipped = dataclasses.replace(data, train=(x, NUM_CLASSES - 1 - y))
-            n, metrics = super().train(model, flipped, honest, seed)
+            n, metrics = self._fit(model, flipped, honest, seed)
         else:
             start = model_state(model)
             delta = self._malicious_delta(attack, params, model, data, honest, seed, start)
             load_model_state(model, {k: start[k] + delta[k] for k in start})
         claimed = max(1, round(n * float(params.get("claim_factor", 1))))
         return claimed, {**metrics, "byzantine": 1.0}
+
+    def _fit(
+        self, model: nn.Module, data: LocalData, config: TrainSection, seed: int
+    ) -> tuple[int, dict[str, float]]:
+        """Honest digits training, with every gradient element clamped to +-GRAD_CLAMP."""
+        handles = [
+            p.register_hook(lambda g: g.clamp(-GRAD_CLAMP, GRAD_CLAMP))
+            for p in model.parameters()
+        ]
+        try:
+            return super().train(model, data, config, seed)
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _malicious_delta(
         self,
@@ -110,7 +129,7 @@ class ByzantineDigits(DigitsTask):
             sigma = float(params.get("sigma", 10.0))
             return {k: rng.normal(0.0, sigma, v.shape).astype(np.float32) for k, v in start.items()}
         if attack == "signflip":
-            super().train(model, data, config, seed)
+            self._fit(model, data, config, seed)
             scale = float(params.get("scale", 10.0))
             local = model_state(model)
             return {k: -scale * (local[k] - start[k]) for k in start}
@@ -144,7 +163,7 @@ class ByzantineDigits(DigitsTask):
             sample = (torch.from_numpy(x_pool[idx]), torch.from_numpy(y_pool[idx]))
             local = self.build_model(0)
             load_model_state(local, start)
-            super().train(local, LocalData(train=sample, val=sample), config, seed + k + 1)
+            self._fit(local, LocalData(train=sample, val=sample), config, seed + k + 1)
             after = model_state(local)
             deltas.append({name: after[name] - start[name] for name in start})
         mean = {k: np.mean([d[k] for d in deltas], axis=0) for k in start}

@@ -15,6 +15,11 @@ from pathlib import Path
 
 import pytest
 
+# Many agent processes share a couple of cores here: one math thread each, or torch's
+# spinning thread pools fight over the cores and a 5 ms step takes 50 ms. Set before any
+# test imports torch; agents and servers inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 DIGITS = "flotilla.tasks.digits:DigitsTask"
 POSTGRES_URL = os.environ.get("FLOTILLA_TEST_POSTGRES_URL")
 

@@ -118,7 +118,7 @@ def test_registry_names_params_and_traits(tmp_path: Path) -> None:
         make_aggregator("fedadam", {"beta3": 0.9}, layout, None)
     with pytest.raises(SpecError, match="field 'eta' must be a number"):
         make_aggregator("fedadam", {"eta": "fast"}, layout, None)
-    bad = {
+    bad: dict[str, dict[str, Any]] = {
         "fedadam": {"eta": -1.0},
         "fedavgm": {"momentum": 1.0},
         "trimmed_mean": {"beta": 0.5},
@@ -436,7 +436,9 @@ def test_krum_needs_2f_plus_3_updates(tmp_path: Path) -> None:
         _round(agg, model, _deltas(model, rng, 6), [1.0] * 6)
 
 
-def _outlier_round(kind: str, rng: np.random.Generator, d: int = 2000, n: int = 50):
+def _outlier_round(
+    kind: str, rng: np.random.Generator, d: int = 2000, n: int = 50
+) -> tuple[np.ndarray, list[np.ndarray]]:
     mu = rng.standard_normal(d).astype(np.float32)
     clean = [mu + 0.1 * rng.standard_normal(d).astype(np.float32) for _ in range(n - n // 5)]
     if kind == "noise":

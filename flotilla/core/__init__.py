@@ -41,6 +41,7 @@ from flotilla.core.tensors import (
     check_layout,
     decode_state,
     encode_state,
+    encode_state_parts,
     state_nbytes,
     state_spec,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "check_layout",
     "decode_state",
     "encode_state",
+    "encode_state_parts",
     "iter_chunks",
     "sha256_hex",
     "state_nbytes",

@@ -81,6 +81,17 @@ def encode_state(
     ``metadata`` becomes the header's ``__metadata__`` string map (codecs record themselves
     there).
     """
+    # One join: the tensors are copied once, straight into the result.
+    return b"".join(encode_state_parts(state, metadata))
+
+
+def encode_state_parts(
+    state: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+) -> list[bytes | memoryview]:
+    """The safetensors bytes of a state as consecutive pieces: the header, then each
+    tensor's memory, uncopied. A writer that streams them (a checkpoint to disk) never
+    needs a model-sized buffer."""
     header: dict[str, object] = {}
     if metadata is not None:
         header["__metadata__"] = _checked_metadata(metadata, WireError)
@@ -100,14 +111,9 @@ def encode_state(
         arrays.append(arr)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # align the data section for zero-copy readers
-    out = bytearray(8 + len(raw) + offset)
-    out[:8] = struct.pack("<Q", len(raw))
-    out[8 : 8 + len(raw)] = raw
-    pos = 8 + len(raw)
-    for arr in arrays:
-        out[pos : pos + arr.nbytes] = arr.reshape(-1).view(np.uint8).data
-        pos += arr.nbytes
-    return bytes(out)
+    parts: list[bytes | memoryview] = [struct.pack("<Q", len(raw)), raw]
+    parts += [arr.reshape(-1).view(np.uint8).data for arr in arrays]
+    return parts
 
 
 def _checked_metadata(metadata: object, error: type[Exception]) -> dict[str, str]:

@@ -19,7 +19,7 @@ from flotilla.core.tensors import (
     ModelState,
     TensorSpec,
     decode_state,
-    encode_state,
+    encode_state_parts,
     state_spec,
 )
 from flotilla.engine.backend import Backend, Delivered, Failed, RoundResult, TrainTask
@@ -280,8 +280,8 @@ class JobRunner:
 
     def _write_checkpoint(self, new_model: ModelState) -> tuple[str, str]:
         state = self._aggregator.state()
-        agg_sha = self.blobs.put(encode_state(state)) if state else ""
-        return self.blobs.put(encode_state(new_model)), agg_sha
+        agg_sha = self.blobs.put_parts(encode_state_parts(state)) if state else ""
+        return self.blobs.put_parts(encode_state_parts(new_model)), agg_sha
 
     async def _prepare_broadcast(self) -> None:
         """What devices download for the current checkpoint (encoded once per model)."""
