@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
 import os
+import signal
 import subprocess
 import sys
 import tempfile
