@@ -57,6 +57,10 @@ def jobs(federation: ServerProcess) -> dict[str, dict]:
             "aggregation.strategy=dp_fedavg", "aggregation.params.noise_multiplier=1.5",
             "aggregation.params.clip_norm=0.5", "aggregation.params.epsilon=6.0",
         ),
+        "delta": federation.submit(
+            EXAMPLE, *common, "job.rounds=10", "job.name=delta-downlink",
+            "compression.downlink=int8", "compression.downlink_delta=true",
+        ),
         "fedbuff": federation.submit(
             EXAMPLE, *common, "job.rounds=8", "job.name=buffered",
             "aggregation.strategy=fedbuff", "aggregation.params.buffer_size=2",
@@ -141,3 +145,15 @@ def test_fedbuff_commits_every_buffer_of_updates(jobs: dict[str, dict]) -> None:
     for rnd in job["rounds"]:
         assert rnd["metrics"]["updates"] == 2, "a new model every buffer_size arrivals"
     assert job["metrics"]["accuracy"] > 0.5, job["metrics"]
+
+
+def test_downlink_deltas_reach_devices_that_hold_the_last_model(jobs: dict[str, dict]) -> None:
+    job = jobs["delta"]
+    assert job["state"] == "completed", job
+    assert job["metrics"]["accuracy"] > 0.6, job["metrics"]
+    full = MODEL_PARAMS * 4
+    downloads = [d["metrics"]["bytes_down"] for r in job["rounds"] for d in r["devices"]]
+    assert all(b == pytest.approx(full, rel=0.05) or b < 0.3 * full for b in downloads)
+    assert any(b < 0.3 * full for b in downloads), (
+        "a device that took part in the previous round fetches only the int8 change"
+    )

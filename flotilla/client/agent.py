@@ -21,7 +21,7 @@ import grpc
 from flotilla.client.channel import RETRYABLE, Backoff, DeviceCredential, open_channel
 from flotilla.client.profile import matmul_gflops, memory_bytes
 from flotilla.client.training import LocalTrainer, TrainOutcome
-from flotilla.core.blobs import BlobAssembler, iter_chunks
+from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
 from flotilla.core.errors import AuthError, FlotillaError
 from flotilla.core.files import write_private
 from flotilla.core.timeouts import Timeouts
@@ -239,19 +239,37 @@ class Agent:
     async def _fetch(self, task: pb.TrainTask) -> memoryview:
         if self._model is not None and self._model[0] == task.model_sha256:
             return self._model[1]
-        if task.model_size > self.config.max_model_bytes:
-            raise FlotillaError(f"model of {task.model_size} bytes is over this device's limit")
-        assembler = BlobAssembler(task.model_size, task.model_sha256, self.config.max_model_bytes)
+        data: memoryview | None = None
+        held = self._model
+        if held is not None and task.delta_sha256 and held[0] == task.delta_base_sha256:
+            data = await self._fetch_delta(task, held[1])
+        if data is None:
+            data = await self._fetch_blob(task, task.model_sha256, task.model_size)
+        self._model = (task.model_sha256, data)
+        return data
+
+    async def _fetch_blob(self, task: pb.TrainTask, sha256: str, size: int) -> memoryview:
+        if size > self.config.max_model_bytes:
+            raise FlotillaError(f"model of {size} bytes is over this device's limit")
+        assembler = BlobAssembler(size, sha256, self.config.max_model_bytes)
         call = self._stub.FetchModel(
-            pb.FetchModelRequest(job_id=task.job_id, sha256=task.model_sha256),
+            pb.FetchModelRequest(job_id=task.job_id, sha256=sha256),
             metadata=self._metadata(),
             timeout=self.config.timeouts.transfer,
         )
         async for chunk in call:
             assembler.add(chunk.data, chunk.offset)
-        data = assembler.finish()
-        self._model = (task.model_sha256, data)
-        return data
+        return assembler.finish()
+
+    async def _fetch_delta(self, task: pb.TrainTask, base: memoryview) -> memoryview | None:
+        """The new model rebuilt from the one held plus the broadcast delta, or None (then
+        the whole model is fetched) when the rebuild does not hash to the server's."""
+        delta = await self._fetch_blob(task, task.delta_sha256, task.delta_size)
+        try:
+            return await asyncio.to_thread(rebuild_model, base, delta, task)
+        except FlotillaError as exc:
+            log.warning("downlink delta unusable (%s); fetching the whole model", exc)
+            return None
 
     async def _submit(self, task: pb.TrainTask, outcome: TrainOutcome) -> None:
         header = pb.UpdateHeader(
@@ -287,3 +305,22 @@ class Agent:
                 )
         await self._channel.close(None)
         self._channel = None
+
+
+def rebuild_model(base: memoryview, delta: memoryview, task: pb.TrainTask) -> memoryview:
+    """safetensors of ``base + decode(delta)``, checked against the task's model SHA-256."""
+    from flotilla.client.training import RoundConfig
+    from flotilla.compression import apply_delta, decode_state_with, make_codec
+    from flotilla.core.errors import IntegrityError
+    from flotilla.core.tensors import decode_state, encode_state
+
+    config = RoundConfig.from_json(task.config_json)
+    if config.layout is None:
+        raise FlotillaError("a downlink delta came without the model's layout")
+    spec = config.compression
+    codec = make_codec(spec.downlink, spec.downlink_params)
+    change = decode_state_with(delta, config.layout, len(delta), codec=codec)
+    whole = encode_state(apply_delta(decode_state(base), change))
+    if sha256_hex(whole) != task.model_sha256:
+        raise IntegrityError("the rebuilt model does not match the server's")
+    return memoryview(whole)

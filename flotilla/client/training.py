@@ -170,7 +170,7 @@ class LocalTrainer:
 def decode_model(payload: bytes | memoryview, config: RoundConfig) -> ModelState:
     """The broadcast model: plain safetensors, or the job's downlink codec payload."""
     spec = config.compression
-    if spec.downlink == "none":
+    if spec.downlink == "none" or spec.downlink_delta:  # delta broadcasts rebuild whole models
         return decode_state(payload)
     if config.layout is None:
         raise WireError("a compressed broadcast came without the model's layout")

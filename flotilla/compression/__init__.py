@@ -8,12 +8,14 @@
 - ``registry``: :data:`CODEC_NAMES`, :func:`make_codec`.
 - ``state``: whole-model payloads, :func:`encode_state_with`, :func:`decode_state_with`,
   and their size bounds.
+- ``delta``: :func:`apply_delta`, the one arithmetic of a downlink delta broadcast.
 - ``feedback``: :class:`ErrorFeedback`, per-job residuals saved in the agent's state dir.
 
 Payloads are safetensors bytes (never pickle); see docs/compression.md.
 """
 
 from flotilla.compression.codec import Codec, CodecContext, Pieces
+from flotilla.compression.delta import apply_delta
 from flotilla.compression.feedback import ErrorFeedback
 from flotilla.compression.floats import Bf16Codec, Fp16Codec, NoneCodec
 from flotilla.compression.quantize import Int4Codec, Int8Codec, QsgdCodec
@@ -40,6 +42,7 @@ __all__ = [
     "QsgdCodec",
     "RandKCodec",
     "TopKCodec",
+    "apply_delta",
     "codec_from_metadata",
     "decode_state_with",
     "encode_state_with",

@@ -103,6 +103,9 @@ class CompressionSection:
     #: Codec for the model broadcast; ``none`` sends the exact model.
     downlink: str = "none"
     downlink_params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Send devices that hold the previous broadcast only the downlink-compressed change
+    #: since it; others download the whole model. Needs a lossy ``downlink`` codec.
+    downlink_delta: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

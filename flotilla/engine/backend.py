@@ -30,6 +30,10 @@ class TrainTask:
     layout: tuple[TensorSpec, ...] = ()
     #: The job's uplink codec: updates arrive in its payload format.
     codec: Codec = field(default_factory=NoneCodec)
+    #: Downlink delta (see engine.broadcast): holders of the base may fetch this instead.
+    delta_base_sha256: str = ""
+    delta_sha256: str = ""
+    delta_size: int = 0
 
 
 def _accept_silently(reason: str | None) -> None:

@@ -39,6 +39,8 @@ class JobPlan:
         downlink = _codec("compression.downlink", comp.downlink, comp.downlink_params)
         if comp.error_feedback and uplink.name == "none":
             raise SpecError("compression.error_feedback needs a lossy compression.uplink codec")
+        if comp.downlink_delta and downlink.name == "none":
+            raise SpecError("compression.downlink_delta needs a lossy compression.downlink codec")
         return cls(spec, info.traits, params, uplink, None if downlink.name == "none" else downlink)
 
     def aggregator(self, layout: tuple[TensorSpec, ...], spool_dir: Path | None) -> Aggregator:
@@ -56,7 +58,7 @@ class JobPlan:
             "data": full["data"],
             "compression": full["compression"],
         }
-        if self.downlink is not None:
+        if self.downlink is not None:  # codec payloads are decoded against the layout
             config["layout"] = [[s.name, s.dtype, list(s.shape)] for s in layout]
         return json.dumps(config, sort_keys=True)
 

@@ -23,6 +23,7 @@ from flotilla.core.tensors import (
     state_spec,
 )
 from flotilla.engine.backend import Backend, Delivered, Failed, RoundResult, TrainTask
+from flotilla.engine.broadcast import Broadcast, Broadcaster
 from flotilla.engine.plan import JobPlan
 from flotilla.engine.ports import Blobs, Evaluator, Ledger
 from flotilla.scheduling import DevicePool, RoundOutcome, Selector
@@ -68,8 +69,9 @@ class JobRunner:
     _plan: JobPlan = field(init=False)
     _aggregator: Aggregator = field(init=False)
     _layout: tuple[TensorSpec, ...] = field(init=False, default=())
-    #: The model devices download: the checkpoint itself, or its downlink encoding.
-    _broadcast: tuple[str, int] = field(init=False, default=("", 0))
+    #: What devices download for the current checkpoint.
+    _broadcast: Broadcast = field(init=False, default=Broadcast("", 0))
+    _broadcaster: Broadcaster = field(init=False)
 
     async def run(self) -> JobRecord:
         self._plan = JobPlan.from_spec(self.spec)
@@ -77,6 +79,8 @@ class JobRunner:
         self._layout = state_spec(model)
         del model
         self._aggregator = await self._restored_aggregator()
+        comp = self.spec.compression
+        self._broadcaster = Broadcaster(self.blobs, self._plan.downlink, comp.downlink_delta)
         if self.job.state == "pending":
             self.job = await self.ledger.set_job_state(self.job.id, "running")
         try:
@@ -178,7 +182,7 @@ class JobRunner:
         return chosen, rate
 
     def _task(self, round_no: int, started: float) -> TrainTask:
-        sha, size = self._broadcast
+        cast = self._broadcast
         return TrainTask(
             job_id=self.job.id,
             round=round_no,
@@ -187,12 +191,15 @@ class JobRunner:
             config_json=self._plan.client_config_json(
                 self._layout, self._aggregator.client_config()
             ),
-            model_sha256=sha,
-            model_size=size,
+            model_sha256=cast.sha256,
+            model_size=cast.size,
             deadline=started + self.spec.job.round_deadline_s,
             seed=(self.spec.job.seed * 1_000_003 + round_no) % 2**63,
             layout=self._layout,
             codec=self._plan.uplink,
+            delta_base_sha256=cast.delta_base_sha256,
+            delta_sha256=cast.delta_sha256,
+            delta_size=cast.delta_size,
         )
 
     async def _collect(
@@ -286,19 +293,7 @@ class JobRunner:
     async def _prepare_broadcast(self) -> None:
         """What devices download for the current checkpoint (encoded once per model)."""
         sha = self.job.checkpoint_sha256
-        codec = self._plan.downlink
-        if codec is None:
-            self._broadcast = (sha, self.blobs.path(sha).stat().st_size)
-            return
-
-        def encode() -> tuple[str, int]:
-            from flotilla.compression import encode_state_with
-
-            model = decode_state(self.blobs.get_mapped(sha))
-            payload = encode_state_with(codec, model)
-            return self.blobs.put(payload), len(payload)
-
-        self._broadcast = await asyncio.to_thread(encode)
+        self._broadcast = await asyncio.to_thread(self._broadcaster.prepare, sha)
 
     async def _metrics(self, model: ModelState, tally: RoundTally) -> dict[str, float]:
         metrics: dict[str, float] = {"updates": float(len(tally.accepted))}

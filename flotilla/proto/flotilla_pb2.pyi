@@ -59,7 +59,7 @@ class PollRequest(_message.Message):
     def __init__(self, profile: _Optional[_Union[DeviceProfile, _Mapping]] = ...) -> None: ...
 
 class TrainTask(_message.Message):
-    __slots__ = ("job_id", "round", "round_token", "task", "config_json", "model_sha256", "model_size", "deadline_unix", "seed")
+    __slots__ = ("job_id", "round", "round_token", "task", "config_json", "model_sha256", "model_size", "deadline_unix", "seed", "delta_base_sha256", "delta_sha256", "delta_size")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,9 @@ class TrainTask(_message.Message):
     MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DELTA_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DELTA_SIZE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     round_token: str
@@ -78,7 +81,10 @@ class TrainTask(_message.Message):
     model_size: int
     deadline_unix: float
     seed: int
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., task: _Optional[str] = ..., config_json: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    delta_base_sha256: str
+    delta_sha256: str
+    delta_size: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., task: _Optional[str] = ..., config_json: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., seed: _Optional[int] = ..., delta_base_sha256: _Optional[str] = ..., delta_sha256: _Optional[str] = ..., delta_size: _Optional[int] = ...) -> None: ...
 
 class PollReply(_message.Message):
     __slots__ = ("task",)

@@ -150,6 +150,9 @@ class AgentService(pb_grpc.AgentServicer):
                 model_size=task.model_size,
                 deadline_unix=task.deadline,
                 seed=task.seed,
+                delta_base_sha256=task.delta_base_sha256,
+                delta_sha256=task.delta_sha256,
+                delta_size=task.delta_size,
             )
         )
 

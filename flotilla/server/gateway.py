@@ -132,12 +132,12 @@ class Gateway:
 
     def assigned_model(self, device_id: str, sha256: str) -> bool:
         return any(
-            device_id in r.pending and r.task.model_sha256 == sha256 for r in self._rounds.values()
+            device_id in r.pending and sha256 in _downloads(r.task) for r in self._rounds.values()
         )
 
     def count_download(self, device_id: str, sha256: str, nbytes: int) -> None:
         for r in self._rounds.values():
-            if device_id in r.pending and r.task.model_sha256 == sha256:
+            if device_id in r.pending and sha256 in _downloads(r.task):
                 r.bytes_down[device_id] = r.bytes_down.get(device_id, 0) + nbytes
 
     def expect(self, device_id: str, job_id: str, round_no: int, round_token: str) -> OpenRound:
@@ -194,3 +194,8 @@ class Gateway:
         for device_id in gone:
             self.fail(device_id, "went silent")
         return gone
+
+
+def _downloads(task: TrainTask) -> tuple[str, ...]:
+    """The blobs a device working on ``task`` may fetch: the model, or its delta."""
+    return (task.model_sha256, task.delta_sha256) if task.delta_sha256 else (task.model_sha256,)
