@@ -159,8 +159,12 @@ def load_model_state(model: torch.nn.Module, state: Mapping[str, np.ndarray]) ->
             )
     with torch.no_grad():
         for name, tensor in own.items():
-            # A private copy: wire states are often read-only views torch will not wrap.
-            tensor.copy_(torch.from_numpy(np.array(state[name])))
+            value = np.asarray(state[name])
+            # Wire states are often read-only views, which torch will not wrap: copy those
+            # (a model-sized temporary); wrap writable ones directly.
+            if not value.flags.writeable or not value.flags.c_contiguous:
+                value = np.array(value)
+            tensor.copy_(torch.from_numpy(value))
 
 
 def proximal_anchor(model: torch.nn.Module, mu: float) -> dict[str, torch.Tensor]:
