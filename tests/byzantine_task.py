@@ -104,8 +104,7 @@ class ByzantineDigits(DigitsTask):
     ) -> tuple[int, dict[str, float]]:
         """Honest digits training, with every gradient element clamped to +-GRAD_CLAMP."""
         handles = [
-            p.register_hook(lambda g: g.clamp(-GRAD_CLAMP, GRAD_CLAMP))
-            for p in model.parameters()
+            p.register_hook(lambda g: g.clamp(-GRAD_CLAMP, GRAD_CLAMP)) for p in model.parameters()
         ]
         try:
             return super().train(model, data, config, seed)

@@ -23,6 +23,7 @@ import pytest
 from flotilla.core.blobs import sha256_hex
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import ModelState, encode_state
+from flotilla.core.timeouts import Timeouts
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.server.app import ServerConfig
 from tests.live_grpc import (
@@ -453,3 +454,61 @@ async def test_a_stalled_upload_is_cut_off_once_its_round_is_over(sqlite_live: L
     # The device is not wedged behind its dead upload: the next answer comes at once.
     replay = asyncio.wait_for(live.send_update(device, update_messages(task, payload)), 3)
     await refused(replay, STALE, "stale")
+
+
+# --- upload reservations --------------------------------------------------------------------
+
+
+def _reserve(task: pb.TrainTask, size: int) -> pb.ReserveUploadRequest:
+    return pb.ReserveUploadRequest(
+        job_id=task.job_id, round=task.round, round_token=task.round_token, payload_size=size
+    )
+
+
+async def test_a_reserved_upload_streams_and_gives_its_room_back(tmp_path: Path) -> None:
+    async with live_server(tmp_path / "state", upload_budget_bytes=1 << 20) as live:
+        device = await live.enrol()
+        job_id = await live.submit()
+        task = await live.poll_task(device)
+        payload = encode_state(small_delta(await live.fetch(device, task)))
+        reply = await live.agent.ReserveUpload(_reserve(task, len(payload)), metadata=device.md)
+        assert reply.reservation and reply.expires_in_s > 0
+        budget = live.server.upload_budget
+        assert budget.used == len(payload), "the room is held before any data moves"
+        messages = update_messages(task, payload, reservation=reply.reservation)
+        assert (await live.send_update(device, messages)).accepted
+        assert budget.used == 0
+        await live.wait_committed(job_id, 1)
+
+
+async def test_unused_reservations_expire(tmp_path: Path) -> None:
+    timeouts = Timeouts(liveness=30.0, poll_hold=5.0, upload_idle=0.5)
+    async with live_server(tmp_path / "state", timeouts=timeouts) as live:
+        device = await live.enrol()
+        await live.submit()
+        task = await live.poll_task(device)
+        payload = encode_state(small_delta(await live.fetch(device, task)))
+        reply = await live.agent.ReserveUpload(_reserve(task, len(payload)), metadata=device.md)
+        assert live.server.upload_budget.used == len(payload)
+        await asyncio.sleep(1.5)
+        assert live.server.upload_budget.used == 0, "an unused reservation goes back"
+        late = update_messages(task, payload, reservation=reply.reservation)
+        await refused(live.send_update(device, late), INVALID, "unknown or expired")
+
+
+async def test_reservations_are_checked_like_uploads(sqlite_live: LiveServer) -> None:
+    live = sqlite_live
+    device = await live.enrol()
+    await live.submit()
+    task = await live.poll_task(device)
+    stale = _reserve(task, 1000)
+    stale.round_token = "not-this-round"
+    await refused(live.agent.ReserveUpload(stale, metadata=device.md), STALE, "stale round")
+    huge = _reserve(task, 1 << 40)
+    await refused(live.agent.ReserveUpload(huge, metadata=device.md), INVALID, "exceeds")
+    other = await live.enrol()
+    theirs = await live.agent.ReserveUpload(_reserve(task, 1000), metadata=device.md)
+    payload = encode_state(small_delta(await live.fetch(device, task)))
+    borrowed = update_messages(task, payload, reservation=theirs.reservation)
+    await refused(live.send_update(other, borrowed), STALE, "stale round")
+    assert live.server.upload_budget.used == 1000, "a refused stranger frees nothing"

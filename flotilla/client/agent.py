@@ -272,6 +272,17 @@ class Agent:
             return None
 
     async def _submit(self, task: pb.TrainTask, outcome: TrainOutcome) -> None:
+        # Wait for room on the server first (while heartbeats go on), then stream at once.
+        reserved = await self._stub.ReserveUpload(
+            pb.ReserveUploadRequest(
+                job_id=task.job_id,
+                round=task.round,
+                round_token=task.round_token,
+                payload_size=len(outcome.payload),
+            ),
+            metadata=self._metadata(),
+            timeout=max(1.0, task.deadline_unix - time.time() + 5.0),
+        )
         header = pb.UpdateHeader(
             job_id=task.job_id,
             round=task.round,
@@ -281,6 +292,7 @@ class Agent:
             payload_size=len(outcome.payload),
             payload_sha256=outcome.payload_sha256,
             codec=outcome.codec,
+            reservation=reserved.reservation,
         )
 
         async def chunks() -> AsyncIterator[pb.UpdateChunk]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66lotilla/proto/flotilla.proto\x12\x0b\x66lotilla.v1\"`\n\rDeviceProfile\x12\r\n\x05tasks\x18\x01 \x03(\t\x12\x0e\n\x06gflops\x18\x02 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\x12\x1a\n\x12upload_bytes_per_s\x18\x04 \x01(\x01\"d\n\x0c\x45nrolRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12+\n\x07profile\x18\x03 \x01(\x0b\x32\x1a.flotilla.v1.DeviceProfile\"M\n\nEnrolReply\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\"\x1a\n\nSpeedChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\",\n\nSpeedReply\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\":\n\x0bPollRequest\x12+\n\x07profile\x18\x01 \x01(\x0b\x32\x1a.flotilla.v1.DeviceProfile\"\xf6\x01\n\tTrainTask\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x13\n\x0bround_token\x18\x03 \x01(\t\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x05 \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x06 \x01(\t\x12\x12\n\nmodel_size\x18\x07 \x01(\x03\x12\x15\n\rdeadline_unix\x18\x08 \x01(\x01\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x19\n\x11\x64\x65lta_base_sha256\x18\n \x01(\t\x12\x14\n\x0c\x64\x65lta_sha256\x18\x0b \x01(\t\x12\x12\n\ndelta_size\x18\x0c \x01(\x03\"1\n\tPollReply\x12$\n\x04task\x18\x01 \x01(\x0b\x32\x16.flotilla.v1.TrainTask\"\'\n\x10HeartbeatRequest\x12\x13\n\x0bround_token\x18\x01 \x01(\t\"$\n\x0eHeartbeatReply\x12\x12\n\nround_open\x18\x01 \x01(\x08\"3\n\x11\x46\x65tchModelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"M\n\tBlobChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x12\n\ntotal_size\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"\xfd\x01\n\x0cUpdateHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x13\n\x0bround_token\x18\x03 \x01(\t\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x03\x12\x37\n\x07metrics\x18\x05 \x03(\x0b\x32&.flotilla.v1.UpdateHeader.MetricsEntry\x12\x14\n\x0cpayload_size\x18\x06 \x01(\x03\x12\x16\n\x0epayload_sha256\x18\x07 \x01(\t\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"R\n\x0bUpdateChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.flotilla.v1.UpdateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"/\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x1e\n\x0cLeaveRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0c\n\nLeaveReply\"%\n\x10SubmitJobRequest\x12\x11\n\tspec_json\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"4\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bwith_rounds\x18\x02 \x01(\x08\"\xed\x01\n\tRoundInfo\x12\r\n\x05round\x18\x01 \x01(\r\x12\x34\n\x07metrics\x18\x02 \x03(\x0b\x32#.flotilla.v1.RoundInfo.MetricsEntry\x12\x14\n\x0cparticipants\x18\x03 \x03(\t\x12\x12\n\nstarted_at\x18\x04 \x01(\x01\x12\x14\n\x0c\x63ommitted_at\x18\x05 \x01(\x01\x12+\n\x07\x64\x65vices\x18\x06 \x03(\x0b\x32\x1a.flotilla.v1.Participation\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa1\x01\n\rParticipation\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x04\x12\x38\n\x07metrics\x18\x03 \x03(\x0b\x32\'.flotilla.v1.Participation.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa3\x02\n\x07JobInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x18\n\x10rounds_committed\x18\x04 \x01(\r\x12\x14\n\x0crounds_total\x18\x05 \x01(\r\x12\x32\n\x07metrics\x18\x06 \x03(\x0b\x32!.flotilla.v1.JobInfo.MetricsEntry\x12&\n\x06rounds\x18\x07 \x03(\x0b\x32\x16.flotilla.v1.RoundInfo\x12\x0c\n\x04task\x18\x08 \x01(\t\x12\x12\n\ncreated_at\x18\t \x01(\x01\x12\x11\n\tspec_json\x18\n \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"3\n\rListJobsReply\x12\"\n\x04jobs\x18\x01 \x03(\x0b\x32\x14.flotilla.v1.JobInfo2\xd3\x03\n\x05\x41gent\x12;\n\x05\x45nrol\x12\x19.flotilla.v1.EnrolRequest\x1a\x17.flotilla.v1.EnrolReply\x12?\n\tSpeedTest\x12\x17.flotilla.v1.SpeedChunk\x1a\x17.flotilla.v1.SpeedReply(\x01\x12\x38\n\x04Poll\x12\x18.flotilla.v1.PollRequest\x1a\x16.flotilla.v1.PollReply\x12G\n\tHeartbeat\x12\x1d.flotilla.v1.HeartbeatRequest\x1a\x1b.flotilla.v1.HeartbeatReply\x12\x46\n\nFetchModel\x12\x1e.flotilla.v1.FetchModelRequest\x1a\x16.flotilla.v1.BlobChunk0\x01\x12\x44\n\x0cSubmitUpdate\x12\x18.flotilla.v1.UpdateChunk\x1a\x18.flotilla.v1.SubmitReply(\x01\x12;\n\x05Leave\x12\x19.flotilla.v1.LeaveRequest\x1a\x17.flotilla.v1.LeaveReply2\xd2\x02\n\x08Operator\x12@\n\tSubmitJob\x12\x1d.flotilla.v1.SubmitJobRequest\x1a\x14.flotilla.v1.JobInfo\x12\x44\n\x08ListJobs\x12\x1c.flotilla.v1.ListJobsRequest\x1a\x1a.flotilla.v1.ListJobsReply\x12:\n\x06GetJob\x12\x1a.flotilla.v1.GetJobRequest\x1a\x14.flotilla.v1.JobInfo\x12=\n\tCancelJob\x12\x1a.flotilla.v1.GetJobRequest\x1a\x14.flotilla.v1.JobInfo\x12\x43\n\x0b\x45xportModel\x12\x1a.flotilla.v1.GetJobRequest\x1a\x16.flotilla.v1.BlobChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66lotilla/proto/flotilla.proto\x12\x0b\x66lotilla.v1\"`\n\rDeviceProfile\x12\r\n\x05tasks\x18\x01 \x03(\t\x12\x0e\n\x06gflops\x18\x02 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\x12\x1a\n\x12upload_bytes_per_s\x18\x04 \x01(\x01\"d\n\x0c\x45nrolRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12+\n\x07profile\x18\x03 \x01(\x0b\x32\x1a.flotilla.v1.DeviceProfile\"M\n\nEnrolReply\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\"\x1a\n\nSpeedChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\",\n\nSpeedReply\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\":\n\x0bPollRequest\x12+\n\x07profile\x18\x01 \x01(\x0b\x32\x1a.flotilla.v1.DeviceProfile\"\xf6\x01\n\tTrainTask\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x13\n\x0bround_token\x18\x03 \x01(\t\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x05 \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x06 \x01(\t\x12\x12\n\nmodel_size\x18\x07 \x01(\x03\x12\x15\n\rdeadline_unix\x18\x08 \x01(\x01\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x19\n\x11\x64\x65lta_base_sha256\x18\n \x01(\t\x12\x14\n\x0c\x64\x65lta_sha256\x18\x0b \x01(\t\x12\x12\n\ndelta_size\x18\x0c \x01(\x03\"1\n\tPollReply\x12$\n\x04task\x18\x01 \x01(\x0b\x32\x16.flotilla.v1.TrainTask\"\'\n\x10HeartbeatRequest\x12\x13\n\x0bround_token\x18\x01 \x01(\t\"$\n\x0eHeartbeatReply\x12\x12\n\nround_open\x18\x01 \x01(\x08\"3\n\x11\x46\x65tchModelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"M\n\tBlobChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x12\n\ntotal_size\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"\x92\x02\n\x0cUpdateHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x13\n\x0bround_token\x18\x03 \x01(\t\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x03\x12\x37\n\x07metrics\x18\x05 \x03(\x0b\x32&.flotilla.v1.UpdateHeader.MetricsEntry\x12\x14\n\x0cpayload_size\x18\x06 \x01(\x03\x12\x16\n\x0epayload_sha256\x18\x07 \x01(\t\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x12\x13\n\x0breservation\x18\t \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"`\n\x14ReserveUploadRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x13\n\x0bround_token\x18\x03 \x01(\t\x12\x14\n\x0cpayload_size\x18\x04 \x01(\x03\"?\n\x12ReserveUploadReply\x12\x13\n\x0breservation\x18\x01 \x01(\t\x12\x14\n\x0c\x65xpires_in_s\x18\x02 \x01(\x01\"R\n\x0bUpdateChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.flotilla.v1.UpdateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"/\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x1e\n\x0cLeaveRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0c\n\nLeaveReply\"%\n\x10SubmitJobRequest\x12\x11\n\tspec_json\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"4\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bwith_rounds\x18\x02 \x01(\x08\"\xed\x01\n\tRoundInfo\x12\r\n\x05round\x18\x01 \x01(\r\x12\x34\n\x07metrics\x18\x02 \x03(\x0b\x32#.flotilla.v1.RoundInfo.MetricsEntry\x12\x14\n\x0cparticipants\x18\x03 \x03(\t\x12\x12\n\nstarted_at\x18\x04 \x01(\x01\x12\x14\n\x0c\x63ommitted_at\x18\x05 \x01(\x01\x12+\n\x07\x64\x65vices\x18\x06 \x03(\x0b\x32\x1a.flotilla.v1.Participation\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa1\x01\n\rParticipation\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x04\x12\x38\n\x07metrics\x18\x03 \x03(\x0b\x32\'.flotilla.v1.Participation.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa3\x02\n\x07JobInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x18\n\x10rounds_committed\x18\x04 \x01(\r\x12\x14\n\x0crounds_total\x18\x05 \x01(\r\x12\x32\n\x07metrics\x18\x06 \x03(\x0b\x32!.flotilla.v1.JobInfo.MetricsEntry\x12&\n\x06rounds\x18\x07 \x03(\x0b\x32\x16.flotilla.v1.RoundInfo\x12\x0c\n\x04task\x18\x08 \x01(\t\x12\x12\n\ncreated_at\x18\t \x01(\x01\x12\x11\n\tspec_json\x18\n \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"3\n\rListJobsReply\x12\"\n\x04jobs\x18\x01 \x03(\x0b\x32\x14.flotilla.v1.JobInfo2\xa8\x04\n\x05\x41gent\x12;\n\x05\x45nrol\x12\x19.flotilla.v1.EnrolRequest\x1a\x17.flotilla.v1.EnrolReply\x12?\n\tSpeedTest\x12\x17.flotilla.v1.SpeedChunk\x1a\x17.flotilla.v1.SpeedReply(\x01\x12\x38\n\x04Poll\x12\x18.flotilla.v1.PollRequest\x1a\x16.flotilla.v1.PollReply\x12G\n\tHeartbeat\x12\x1d.flotilla.v1.HeartbeatRequest\x1a\x1b.flotilla.v1.HeartbeatReply\x12\x46\n\nFetchModel\x12\x1e.flotilla.v1.FetchModelRequest\x1a\x16.flotilla.v1.BlobChunk0\x01\x12S\n\rReserveUpload\x12!.flotilla.v1.ReserveUploadRequest\x1a\x1f.flotilla.v1.ReserveUploadReply\x12\x44\n\x0cSubmitUpdate\x12\x18.flotilla.v1.UpdateChunk\x1a\x18.flotilla.v1.SubmitReply(\x01\x12;\n\x05Leave\x12\x19.flotilla.v1.LeaveRequest\x1a\x17.flotilla.v1.LeaveReply2\xd2\x02\n\x08Operator\x12@\n\tSubmitJob\x12\x1d.flotilla.v1.SubmitJobRequest\x1a\x14.flotilla.v1.JobInfo\x12\x44\n\x08ListJobs\x12\x1c.flotilla.v1.ListJobsRequest\x1a\x1a.flotilla.v1.ListJobsReply\x12:\n\x06GetJob\x12\x1a.flotilla.v1.GetJobRequest\x1a\x14.flotilla.v1.JobInfo\x12=\n\tCancelJob\x12\x1a.flotilla.v1.GetJobRequest\x1a\x14.flotilla.v1.JobInfo\x12\x43\n\x0b\x45xportModel\x12\x1a.flotilla.v1.GetJobRequest\x1a\x16.flotilla.v1.BlobChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -64,39 +64,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOBCHUNK']._serialized_start=891
   _globals['_BLOBCHUNK']._serialized_end=968
   _globals['_UPDATEHEADER']._serialized_start=971
-  _globals['_UPDATEHEADER']._serialized_end=1224
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=1178
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=1224
-  _globals['_UPDATECHUNK']._serialized_start=1226
-  _globals['_UPDATECHUNK']._serialized_end=1308
-  _globals['_SUBMITREPLY']._serialized_start=1310
-  _globals['_SUBMITREPLY']._serialized_end=1357
-  _globals['_LEAVEREQUEST']._serialized_start=1359
-  _globals['_LEAVEREQUEST']._serialized_end=1389
-  _globals['_LEAVEREPLY']._serialized_start=1391
-  _globals['_LEAVEREPLY']._serialized_end=1403
-  _globals['_SUBMITJOBREQUEST']._serialized_start=1405
-  _globals['_SUBMITJOBREQUEST']._serialized_end=1442
-  _globals['_LISTJOBSREQUEST']._serialized_start=1444
-  _globals['_LISTJOBSREQUEST']._serialized_end=1461
-  _globals['_GETJOBREQUEST']._serialized_start=1463
-  _globals['_GETJOBREQUEST']._serialized_end=1515
-  _globals['_ROUNDINFO']._serialized_start=1518
-  _globals['_ROUNDINFO']._serialized_end=1755
-  _globals['_ROUNDINFO_METRICSENTRY']._serialized_start=1178
-  _globals['_ROUNDINFO_METRICSENTRY']._serialized_end=1224
-  _globals['_PARTICIPATION']._serialized_start=1758
-  _globals['_PARTICIPATION']._serialized_end=1919
-  _globals['_PARTICIPATION_METRICSENTRY']._serialized_start=1178
-  _globals['_PARTICIPATION_METRICSENTRY']._serialized_end=1224
-  _globals['_JOBINFO']._serialized_start=1922
-  _globals['_JOBINFO']._serialized_end=2213
-  _globals['_JOBINFO_METRICSENTRY']._serialized_start=1178
-  _globals['_JOBINFO_METRICSENTRY']._serialized_end=1224
-  _globals['_LISTJOBSREPLY']._serialized_start=2215
-  _globals['_LISTJOBSREPLY']._serialized_end=2266
-  _globals['_AGENT']._serialized_start=2269
-  _globals['_AGENT']._serialized_end=2736
-  _globals['_OPERATOR']._serialized_start=2739
-  _globals['_OPERATOR']._serialized_end=3077
+  _globals['_UPDATEHEADER']._serialized_end=1245
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=1199
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=1245
+  _globals['_RESERVEUPLOADREQUEST']._serialized_start=1247
+  _globals['_RESERVEUPLOADREQUEST']._serialized_end=1343
+  _globals['_RESERVEUPLOADREPLY']._serialized_start=1345
+  _globals['_RESERVEUPLOADREPLY']._serialized_end=1408
+  _globals['_UPDATECHUNK']._serialized_start=1410
+  _globals['_UPDATECHUNK']._serialized_end=1492
+  _globals['_SUBMITREPLY']._serialized_start=1494
+  _globals['_SUBMITREPLY']._serialized_end=1541
+  _globals['_LEAVEREQUEST']._serialized_start=1543
+  _globals['_LEAVEREQUEST']._serialized_end=1573
+  _globals['_LEAVEREPLY']._serialized_start=1575
+  _globals['_LEAVEREPLY']._serialized_end=1587
+  _globals['_SUBMITJOBREQUEST']._serialized_start=1589
+  _globals['_SUBMITJOBREQUEST']._serialized_end=1626
+  _globals['_LISTJOBSREQUEST']._serialized_start=1628
+  _globals['_LISTJOBSREQUEST']._serialized_end=1645
+  _globals['_GETJOBREQUEST']._serialized_start=1647
+  _globals['_GETJOBREQUEST']._serialized_end=1699
+  _globals['_ROUNDINFO']._serialized_start=1702
+  _globals['_ROUNDINFO']._serialized_end=1939
+  _globals['_ROUNDINFO_METRICSENTRY']._serialized_start=1199
+  _globals['_ROUNDINFO_METRICSENTRY']._serialized_end=1245
+  _globals['_PARTICIPATION']._serialized_start=1942
+  _globals['_PARTICIPATION']._serialized_end=2103
+  _globals['_PARTICIPATION_METRICSENTRY']._serialized_start=1199
+  _globals['_PARTICIPATION_METRICSENTRY']._serialized_end=1245
+  _globals['_JOBINFO']._serialized_start=2106
+  _globals['_JOBINFO']._serialized_end=2397
+  _globals['_JOBINFO_METRICSENTRY']._serialized_start=1199
+  _globals['_JOBINFO_METRICSENTRY']._serialized_end=1245
+  _globals['_LISTJOBSREPLY']._serialized_start=2399
+  _globals['_LISTJOBSREPLY']._serialized_end=2450
+  _globals['_AGENT']._serialized_start=2453
+  _globals['_AGENT']._serialized_end=3005
+  _globals['_OPERATOR']._serialized_start=3008
+  _globals['_OPERATOR']._serialized_end=3346
 # @@protoc_insertion_point(module_scope)

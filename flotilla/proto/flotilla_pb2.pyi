@@ -125,7 +125,7 @@ class BlobChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ..., total_size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("job_id", "round", "round_token", "num_samples", "metrics", "payload_size", "payload_sha256", "codec")
+    __slots__ = ("job_id", "round", "round_token", "num_samples", "metrics", "payload_size", "payload_sha256", "codec", "reservation")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class UpdateHeader(_message.Message):
     PAYLOAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_SHA256_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     round_token: str
@@ -149,7 +150,28 @@ class UpdateHeader(_message.Message):
     payload_size: int
     payload_sha256: str
     codec: str
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., payload_size: _Optional[int] = ..., payload_sha256: _Optional[str] = ..., codec: _Optional[str] = ...) -> None: ...
+    reservation: str
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., payload_size: _Optional[int] = ..., payload_sha256: _Optional[str] = ..., codec: _Optional[str] = ..., reservation: _Optional[str] = ...) -> None: ...
+
+class ReserveUploadRequest(_message.Message):
+    __slots__ = ("job_id", "round", "round_token", "payload_size")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    round_token: str
+    payload_size: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., payload_size: _Optional[int] = ...) -> None: ...
+
+class ReserveUploadReply(_message.Message):
+    __slots__ = ("reservation", "expires_in_s")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    reservation: str
+    expires_in_s: float
+    def __init__(self, reservation: _Optional[str] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
 
 class UpdateChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -59,6 +59,11 @@ class AgentStub:
                 request_serializer=flotilla_dot_proto_dot_flotilla__pb2.FetchModelRequest.SerializeToString,
                 response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.BlobChunk.FromString,
                 _registered_method=True)
+        self.ReserveUpload = channel.unary_unary(
+                '/flotilla.v1.Agent/ReserveUpload',
+                request_serializer=flotilla_dot_proto_dot_flotilla__pb2.ReserveUploadRequest.SerializeToString,
+                response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.ReserveUploadReply.FromString,
+                _registered_method=True)
         self.SubmitUpdate = channel.stream_unary(
                 '/flotilla.v1.Agent/SubmitUpdate',
                 request_serializer=flotilla_dot_proto_dot_flotilla__pb2.UpdateChunk.SerializeToString,
@@ -108,6 +113,14 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveUpload(self, request, context):
+        """Waits until the server can buffer an update of this size, then holds that room for
+        a short while. Uploads then stream at full speed and never wait with a stream open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubmitUpdate(self, request_iterator, context):
         """First message carries an UpdateHeader, the rest payload chunks in order.
         """
@@ -148,6 +161,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.FetchModel,
                     request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.FetchModelRequest.FromString,
                     response_serializer=flotilla_dot_proto_dot_flotilla__pb2.BlobChunk.SerializeToString,
+            ),
+            'ReserveUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveUpload,
+                    request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.ReserveUploadRequest.FromString,
+                    response_serializer=flotilla_dot_proto_dot_flotilla__pb2.ReserveUploadReply.SerializeToString,
             ),
             'SubmitUpdate': grpc.stream_unary_rpc_method_handler(
                     servicer.SubmitUpdate,
@@ -295,6 +313,33 @@ class Agent:
             '/flotilla.v1.Agent/FetchModel',
             flotilla_dot_proto_dot_flotilla__pb2.FetchModelRequest.SerializeToString,
             flotilla_dot_proto_dot_flotilla__pb2.BlobChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flotilla.v1.Agent/ReserveUpload',
+            flotilla_dot_proto_dot_flotilla__pb2.ReserveUploadRequest.SerializeToString,
+            flotilla_dot_proto_dot_flotilla__pb2.ReserveUploadReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -24,9 +26,11 @@ from flotilla.core.tensors import (
     read_metadata,
 )
 from flotilla.core.update import Update
+from flotilla.engine.backend import TrainTask
 from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
+from flotilla.server.budget import ByteBudget
 
 if TYPE_CHECKING:
     from flotilla.server.app import FederationServer
@@ -85,10 +89,74 @@ class KeyedLock:
                 self._locks[key] = (lock, users - 1)
 
 
+def update_limit(task: TrainTask) -> int:
+    """Largest payload a device may send for ``task``: checked before any buffer exists."""
+    return max(
+        sum(s.nbytes for s in task.layout) + HEADER_SLACK,
+        max_payload_bytes(task.codec, task.layout),
+    )
+
+
+@dataclass(slots=True)
+class _Held:
+    device_id: str
+    round_token: str
+    size: int
+    taken: int
+    expiry: asyncio.TimerHandle
+
+
+class Reservations:
+    """Room in the upload budget, granted before an upload starts and held briefly.
+
+    A device waits for room in a cheap unary call instead of with an upload stream open,
+    where gRPC would keep reading its data ahead into buffers. Room not used within
+    ``ttl_s`` goes back to the budget; a device holds at most one reservation.
+    """
+
+    def __init__(self, budget: ByteBudget, ttl_s: float) -> None:
+        self._budget = budget
+        self.ttl_s = ttl_s
+        self._held: dict[str, _Held] = {}
+        self._returns: set[asyncio.Task[None]] = set()
+
+    async def make(self, device_id: str, request: pb.ReserveUploadRequest) -> str:
+        for key in [k for k, h in self._held.items() if h.device_id == device_id]:
+            self._give_back(key)
+        taken = await self._budget.acquire(request.payload_size)
+        key = secrets.token_hex(16)
+        expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._give_back, key)
+        self._held[key] = _Held(device_id, request.round_token, request.payload_size, taken, expiry)
+        return key
+
+    @contextlib.asynccontextmanager
+    async def claim(self, key: str, device_id: str, head: pb.UpdateHeader) -> AsyncIterator[None]:
+        held = self._held.pop(key, None)
+        if held is None or held.device_id != device_id:
+            raise WireError("unknown or expired upload reservation; reserve again")
+        held.expiry.cancel()
+        try:
+            if held.round_token != head.round_token or head.payload_size > held.size:
+                raise WireError("the upload does not match its reservation")
+            yield
+        finally:
+            await self._budget.release(held.taken)
+
+    def _give_back(self, key: str) -> None:
+        held = self._held.pop(key, None)
+        if held is None:
+            return
+        held.expiry.cancel()
+        task = asyncio.ensure_future(self._budget.release(held.taken))
+        self._returns.add(task)
+        task.add_done_callback(self._returns.discard)
+
+
 class AgentService(pb_grpc.AgentServicer):
     def __init__(self, server: FederationServer) -> None:
         self.server = server
         self._uploads = KeyedLock()
+        self._reservations = Reservations(server.upload_budget, server.config.timeouts.upload_idle)
 
     async def _device(self, context: grpc.aio.ServicerContext) -> DeviceRecord:
         try:
@@ -221,15 +289,18 @@ class AgentService(pb_grpc.AgentServicer):
             )
         if head.num_samples <= 0:
             raise UpdateRejected("num_samples must be positive")
-        limit = max(
-            sum(s.nbytes for s in rnd.task.layout) + HEADER_SLACK,
-            max_payload_bytes(codec, rnd.task.layout),
-        )
+        limit = update_limit(rnd.task)
         if not 0 <= head.payload_size <= limit:
             raise WireError(f"update of {head.payload_size} bytes exceeds the limit of {limit}")
-        # The buffer is allocated only once the byte budget admits it, so memory is bounded
-        # however many devices upload at once; a sender that stalls is dropped.
-        async with self.server.upload_budget.hold(head.payload_size):
+        # The buffer is allocated only once the byte budget admits it (ahead of the stream,
+        # with ReserveUpload, or here), so memory is bounded however many devices upload at
+        # once; a sender that stalls is dropped.
+        room: contextlib.AbstractAsyncContextManager[object]
+        if head.reservation:
+            room = self._reservations.claim(head.reservation, device.id, head)
+        else:
+            room = self.server.upload_budget.hold(head.payload_size)
+        async with room:
             assembler = BlobAssembler(head.payload_size, head.payload_sha256, limit)
             try:
                 payload = await asyncio.wait_for(
@@ -257,6 +328,34 @@ class AgentService(pb_grpc.AgentServicer):
                 },
             )
             await gateway.deliver(rnd, update, self._time_left(rnd.task.deadline))
+
+    async def ReserveUpload(
+        self, request: pb.ReserveUploadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReserveUploadReply:
+        device = await self._device(context)
+        try:
+            rnd = self.server.gateway.expect(
+                device.id, request.job_id, request.round, request.round_token
+            )
+            limit = update_limit(rnd.task)
+            if not 0 <= request.payload_size <= limit:
+                raise WireError(
+                    f"update of {request.payload_size} bytes exceeds the limit of {limit}"
+                )
+            reservation = await asyncio.wait_for(
+                self._reservations.make(device.id, request),
+                self._time_left(rnd.task.deadline),
+            )
+        except asyncio.TimeoutError:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "stale round: the round closes before there is room for this update",
+            )
+        except StaleRoundError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except WireError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.ReserveUploadReply(reservation=reservation, expires_in_s=self._reservations.ttl_s)
 
     async def _read(
         self, chunks: AsyncIterator[pb.UpdateChunk], assembler: BlobAssembler, device_id: str

@@ -56,7 +56,7 @@ class ServerConfig:
     speed_test_max_bytes: int = 16 * 1024 * 1024
     #: Model downloads streamed at once; the rest wait. Each stream in flight holds
     #: gRPC buffers, so this bounds server memory under a fleet-wide fetch.
-    download_slots: int = 8
+    download_slots: int = 4
     download_chunk_bytes: int = CHUNK_BYTES
 
 
@@ -96,11 +96,6 @@ class FederationServer:
                 ("grpc.keepalive_time_ms", 30_000),
                 ("grpc.keepalive_timeout_ms", 10_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-                # BDP probing grows each stream's receive window to megabytes, and gRPC
-                # then reads that far ahead into uploads still waiting for the byte
-                # budget: 100 waiting uploads would cost hundreds of MB. Fixed windows keep
-                # what is buffered per stream small; loopback and LAN speed is unchanged.
-                ("grpc.http2.bdp_probe", 0),
             ]
         )
         pb_grpc.add_AgentServicer_to_server(AgentService(self), self._grpc)

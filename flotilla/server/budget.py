@@ -27,13 +27,21 @@ class ByteBudget:
 
     @contextlib.asynccontextmanager
     async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        need = await self.acquire(nbytes)
+        try:
+            yield
+        finally:
+            await self.release(need)
+
+    async def acquire(self, nbytes: int) -> int:
+        """Wait for room; returns what was taken, to hand back to :meth:`release`."""
         need = min(max(nbytes, 0), self.capacity)
         async with self._changed:
             await self._changed.wait_for(lambda: self._used + need <= self.capacity)
             self._used += need
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._used -= need
-                self._changed.notify_all()
+        return need
+
+    async def release(self, taken: int) -> None:
+        async with self._changed:
+            self._used -= taken
+            self._changed.notify_all()

@@ -1,0 +1,251 @@
+"""Byzantine robustness, end to end: a real server and five real agent processes, one Byzantine.
+
+The Byzantine agent is an ordinary ``flotilla client`` process running the test-only task
+``tests.byzantine_task:ByzantineDigits`` with ``FLOTILLA_TEST_BYZANTINE=1`` in its
+environment; the job's ``train.params.attack`` picks what it does. Every round selects all
+five agents, so every round is exactly 20% Byzantine (checked from the server's own records).
+
+One module-scoped fleet runs every job at once: a clean run (FedAvg, ``attack = none``, so
+the Byzantine process trains honestly), and for each attack plain FedAvg plus the four robust
+rules. Each attack's test first asserts that the attack breaks FedAvg (held-out accuracy
+below 0.5: an attack that does not hurt the mean proves nothing), then that every robust rule
+ends within 6 points of the clean run. All accuracies are what ``flotilla job status --json``
+reports after the server evaluates the final model on its held-out split.
+
+Attack settings (see tests/byzantine_task.py and docs/aggregation.md): ``gaussian`` and
+``labelflip`` also lie about the sample count (50x), because at an honest 20% of the samples
+neither breaks sample-weighted FedAvg here; the robust rules are unweighted and ignore the
+claim. ``alie`` uses z = 10: the paper's z for n = 5, f = 1 (0.25) leaves FedAvg at ~0.97.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.byzantine_task import BYZANTINE_ENV
+from tests.conftest import AgentFleet, ServerProcess
+
+pytestmark = pytest.mark.timeout(600)
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = REPO / "examples" / "digits.toml"
+TASK = "tests.byzantine_task:ByzantineDigits"
+AGENTS = 5
+#: Shards whose agent processes are Byzantine: 1 of 5 = 20%.
+BYZANTINE_SHARDS = frozenset({2})
+ROUNDS = 8
+#: Plain FedAvg under attack must end below this held-out accuracy.
+BROKEN_BELOW = 0.5
+#: A robust rule must end at least ``clean - TOLERANCE``.
+TOLERANCE = 0.06
+#: Bound on the whole run (startup, every job, read-back); it takes ~1.5 min when idle.
+RUN_TIMEOUT_S = 480.0
+
+#: Every job: all agents every round, quorum = all of them, mild label skew.
+BASE = (
+    f"job.task={TASK}",
+    f"job.rounds={ROUNDS}",
+    f"job.clients_per_round={AGENTS}",
+    f"job.min_quorum={AGENTS}",
+    "job.round_deadline_s=60",
+    "data.alpha=1.0",
+    "train.local_epochs=2",
+)
+ATTACKS: dict[str, tuple[str, ...]] = {
+    "gaussian": (
+        "train.params.attack=gaussian",
+        "train.params.sigma=10.0",
+        "train.params.claim_factor=50",
+    ),
+    "signflip": ("train.params.attack=signflip", "train.params.scale=10.0"),
+    "ipm": ("train.params.attack=ipm", "train.params.epsilon=100.0", "train.params.bootstrap=8"),
+    "alie": ("train.params.attack=alie", "train.params.z=10.0", "train.params.bootstrap=8"),
+    "labelflip": ("train.params.attack=labelflip", "train.params.claim_factor=50"),
+}
+RULES: dict[str, tuple[str, ...]] = {
+    "fedavg": ("aggregation.strategy=fedavg",),
+    "median": ("aggregation.strategy=median",),
+    "trimmed_mean": ("aggregation.strategy=trimmed_mean", "aggregation.params.beta=0.2"),
+    "multikrum": ("aggregation.strategy=multikrum", "aggregation.params.f=1"),
+    # Client momentum (each agent sends m = b*m + (1-b)*delta), as centered clipping needs.
+    "centered_clipping": (
+        "aggregation.strategy=centered_clipping",
+        "aggregation.params.tau=0.5",
+        "aggregation.params.iterations=5",
+        "train.update_momentum=0.5",
+    ),
+}
+ROBUST = ("median", "trimmed_mean", "multikrum", "centered_clipping")
+CLEAN = "clean"
+
+
+def job_overrides() -> dict[str, tuple[str, ...]]:
+    """Job name -> ``--set`` overrides: the clean run, then every attack under every rule."""
+    jobs = {CLEAN: (*BASE, *RULES["fedavg"], "train.params.attack=none")}
+    for attack, attack_sets in ATTACKS.items():
+        for rule, rule_sets in RULES.items():
+            jobs[f"{attack}-{rule}"] = (*BASE, *rule_sets, *attack_sets)
+    return jobs
+
+
+@dataclass
+class JobOutcome:
+    """One job as the server reports it, plus who took part in each round."""
+
+    state: str
+    accuracy: float
+    rounds_committed: int
+    #: Per committed round: (updates accepted, how many came from a Byzantine agent).
+    rounds: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class Results:
+    jobs: dict[str, JobOutcome]
+    elapsed_s: float
+
+    def accuracy(self, name: str) -> float:
+        return self.jobs[name].accuracy
+
+    def table(self) -> str:
+        head = f"{'attack':10} {'clean':>7}" + "".join(f" {r:>17}" for r in RULES)
+        lines = [head]
+        clean = self.accuracy(CLEAN)
+        for attack in ATTACKS:
+            cells = "".join(f" {self.accuracy(f'{attack}-{r}'):17.3f}" for r in RULES)
+            lines.append(f"{attack:10} {clean:7.3f}{cells}")
+        return "\n".join(lines)
+
+
+def start_agents(fleet: AgentFleet, env: dict[str, str]) -> None:
+    """The fleet, with the Byzantine flag set only in the Byzantine processes' environment."""
+    for i in range(AGENTS):
+        log = (fleet.logs / f"agent-{i}.log").open("ab")
+        cmd = [
+            sys.executable, "-m", "flotilla", "client",
+            "--server", fleet.server.address, "--token", fleet.token,
+            "--task", TASK, "--shard", f"{i}/{AGENTS}",
+        ]  # fmt: skip
+        agent_env = {**env, BYZANTINE_ENV: "1" if i in BYZANTINE_SHARDS else "0"}
+        fleet.procs.append(
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=agent_env, cwd=REPO)
+        )
+
+
+def wait_all(server: ServerProcess, ids: dict[str, str], deadline: float) -> None:
+    """Poll the job list until every job has ended; fail with the laggards otherwise."""
+    pending: list[dict] = []
+    while time.monotonic() < deadline:
+        listing = json.loads(server.operator("job", "list", "--json", timeout=60).stdout)
+        mine = [j for j in listing if j["id"] in ids.values()]
+        pending = [j for j in mine if j["state"] in ("pending", "running")]
+        if len(mine) == len(ids) and not pending:
+            return
+        time.sleep(1.0)
+    late = {j["name"]: f"{j['rounds_committed']}/{j['rounds_total']}" for j in pending}
+    raise AssertionError(f"jobs not done in time: {late}\n{server.log.read_text()[-3000:]}")
+
+
+def byzantine_counts(server: ServerProcess) -> dict[tuple[str, int], tuple[int, int]]:
+    """(job, round) -> (updates, Byzantine updates), from the server's participation rows."""
+    import asyncio
+
+    from flotilla.server.store import Store, default_url
+
+    async def read() -> list:
+        store = await Store.open(server.db_url or default_url(server.state_dir))
+        try:
+            return await store.list_participations()
+        finally:
+            await store.close()
+
+    updates: Counter[tuple[str, int]] = Counter()
+    byzantine: Counter[tuple[str, int]] = Counter()
+    for row in asyncio.run(read()):
+        key = (row.job_id, row.round)
+        updates[key] += 1
+        byzantine[key] += int(row.metrics.get("byzantine", 0.0) == 1.0)
+    return {key: (n, byzantine[key]) for key, n in updates.items()}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
+    """Run every job once on one server and fleet; each test then reads its own rows."""
+    started = time.monotonic()
+    deadline = started + RUN_TIMEOUT_S
+    root = tmp_path_factory.mktemp("byzantine")
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    # Five agents and a server share two cores here: one torch thread each.
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("PYTHONPATH", "OMP_NUM_THREADS"):
+            mp.setenv(key, env[key])  # the server imports the task too, to evaluate
+        server = ServerProcess(root / "state")
+        server.start()
+    fleet = AgentFleet(server, server.token(), root)
+    try:
+        start_agents(fleet, env)
+        jobs = job_overrides()
+        with ThreadPoolExecutor(4) as pool:
+            futures = {
+                name: pool.submit(server.submit, SPEC, *sets, f"job.name={name}")
+                for name, sets in jobs.items()
+            }
+            ids = {name: f.result(timeout=120) for name, f in futures.items()}
+        wait_all(server, ids, deadline)
+        with ThreadPoolExecutor(4) as pool:
+            statuses = dict(zip(ids, pool.map(server.status, ids.values()), strict=True))
+        counts = byzantine_counts(server)
+        outcomes = {}
+        for name, job_id in ids.items():
+            status = statuses[name]
+            committed = int(status["rounds_committed"])
+            outcomes[name] = JobOutcome(
+                state=status["state"],
+                accuracy=float(status["metrics"].get("accuracy", float("nan"))),
+                rounds_committed=committed,
+                rounds=[counts.get((job_id, r), (0, 0)) for r in range(1, committed + 1)],
+            )
+        res = Results(outcomes, time.monotonic() - started)
+        print(f"\nByzantine robustness, {ROUNDS} rounds, {res.elapsed_s:.0f}s:\n{res.table()}")
+        yield res
+    finally:
+        fleet.stop()
+        server.stop()
+
+
+def check_rounds(res: Results, name: str, byzantine: int) -> None:
+    """Completed, every round with all agents, exactly ``byzantine`` of them Byzantine."""
+    job = res.jobs[name]
+    assert job.state == "completed" and job.rounds_committed == ROUNDS, (name, job)
+    assert job.rounds == [(AGENTS, byzantine)] * ROUNDS, f"{name}: (updates, byzantine) {job}"
+
+
+def test_clean_run_learns_with_no_byzantine_updates(results: Results) -> None:
+    check_rounds(results, CLEAN, 0)
+    assert results.accuracy(CLEAN) >= 0.9, f"the clean baseline itself is weak:\n{results.table()}"
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_attack_breaks_fedavg_but_not_robust_rules(results: Results, attack: str) -> None:
+    for rule in RULES:
+        check_rounds(results, f"{attack}-{rule}", len(BYZANTINE_SHARDS))
+    clean = results.accuracy(CLEAN)
+    row = {rule: round(results.accuracy(f"{attack}-{rule}"), 4) for rule in RULES}
+    detail = f"{attack}: clean {clean:.4f}, {row}\n{results.table()}"
+    assert row["fedavg"] < BROKEN_BELOW, (
+        f"the attack does not break FedAvg, so proves nothing: {detail}"
+    )
+    lagging = {rule: row[rule] for rule in ROBUST if not row[rule] >= clean - TOLERANCE}
+    assert not lagging, f"more than {TOLERANCE:.0%} below clean: {lagging}; {detail}"
