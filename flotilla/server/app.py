@@ -56,7 +56,7 @@ class ServerConfig:
     speed_test_max_bytes: int = 16 * 1024 * 1024
     #: Model downloads streamed at once; the rest wait. Each stream in flight holds
     #: gRPC buffers, so this bounds server memory under a fleet-wide fetch.
-    download_slots: int = 4
+    download_slots: int = 2
     download_chunk_bytes: int = CHUNK_BYTES
 
 
