@@ -1,4 +1,4 @@
-"""StreamingFedAvg: the weighted mean a batch FedAvg would give, folded in O(model) memory."""
+"""FedAvg: the weighted mean a batch FedAvg would give, folded in O(model) memory."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from flotilla.aggregation import StreamingFedAvg
+from flotilla.aggregation import FedAvg, FedAvgParams
 from flotilla.core.errors import UpdateRejected
-from flotilla.core.tensors import ModelState, TensorSpec, state_spec
+from flotilla.core.tensors import ModelState, state_spec
 
 
 def _model(rng: np.random.Generator) -> ModelState:
@@ -43,17 +43,24 @@ def _assert_states_close(got: ModelState, want: ModelState) -> None:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
 
 
+def _fedavg(model: ModelState, server_lr: float = 1.0) -> FedAvg:
+    """An aggregator with round 1 open on ``model``."""
+    agg = FedAvg(state_spec(model), FedAvgParams(server_lr=server_lr))
+    agg.begin(1, model)
+    return agg
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_equals_the_batch_weighted_mean(seed: int) -> None:
     rng = np.random.default_rng(seed)
     model = _model(rng)
     updates = [(_delta(model, rng), float(rng.integers(1, 500))) for _ in range(17)]
-    agg = StreamingFedAvg(state_spec(model))
+    agg = _fedavg(model)
     for delta, weight in updates:
         agg.add(delta, weight)
     assert agg.count == 17
     assert agg.total_weight == sum(w for _, w in updates)
-    out = agg.finalize(model)
+    out = agg.finalize()
     _assert_states_close(out, _batch_fedavg(model, updates))
     assert all(out[k].dtype == model[k].dtype for k in model)
 
@@ -62,10 +69,10 @@ def test_server_lr_scales_the_step() -> None:
     rng = np.random.default_rng(3)
     model = _model(rng)
     updates = [(_delta(model, rng), w) for w in (1.0, 3.0, 10.0)]
-    agg = StreamingFedAvg(state_spec(model), server_lr=0.25)
+    agg = _fedavg(model, server_lr=0.25)
     for delta, weight in updates:
         agg.add(delta, weight)
-    _assert_states_close(agg.finalize(model), _batch_fedavg(model, updates, server_lr=0.25))
+    _assert_states_close(agg.finalize(), _batch_fedavg(model, updates, server_lr=0.25))
 
 
 def _with(delta: ModelState, name: str, value: np.ndarray) -> ModelState:
@@ -104,18 +111,18 @@ def test_a_rejected_update_leaves_the_sum_untouched(case: str) -> None:
     model = _model(rng)
     first, second, bad = _delta(model, rng), _delta(model, rng), _delta(model, rng)
 
-    clean = StreamingFedAvg(state_spec(model))
+    clean = _fedavg(model)
     clean.add(first, 2.0)
     clean.add(second, 7.0)
 
-    agg = StreamingFedAvg(state_spec(model))
+    agg = _fedavg(model)
     agg.add(first, 2.0)
     with pytest.raises(UpdateRejected):
         agg.add(spoil(bad), weight)
     assert (agg.count, agg.total_weight) == (1, 2.0)
     agg.add(second, 7.0)
 
-    got, want = agg.finalize(model), clean.finalize(model)
+    got, want = agg.finalize(), clean.finalize()
     for name in model:
         np.testing.assert_array_equal(got[name], want[name])
 
@@ -123,19 +130,19 @@ def test_a_rejected_update_leaves_the_sum_untouched(case: str) -> None:
 def test_finalize_without_updates_raises() -> None:
     model = _model(np.random.default_rng(5))
     with pytest.raises(UpdateRejected, match="no updates"):
-        StreamingFedAvg(state_spec(model)).finalize(model)
+        _fedavg(model).finalize()
 
 
-def test_an_aggregator_serves_one_round_only() -> None:
+def test_a_finalized_round_takes_nothing_more() -> None:
     rng = np.random.default_rng(6)
     model = _model(rng)
-    agg = StreamingFedAvg(state_spec(model))
+    agg = _fedavg(model)
     agg.add(_delta(model, rng), 1.0)
-    agg.finalize(model)
-    with pytest.raises(RuntimeError, match="finalized"):
+    agg.finalize()
+    with pytest.raises(RuntimeError, match="no round is open"):
         agg.add(_delta(model, rng), 1.0)
-    with pytest.raises(RuntimeError, match="finalized"):
-        agg.finalize(model)
+    with pytest.raises(RuntimeError, match="no round is open"):
+        agg.finalize()
 
 
 def test_memory_stays_one_accumulator_per_tensor() -> None:
@@ -146,10 +153,10 @@ def test_memory_stays_one_accumulator_per_tensor() -> None:
     deltas = [{"w": rng.standard_normal(n).astype(np.float32)} for _ in range(3)]
     tracemalloc.start()
     try:
-        agg = StreamingFedAvg(state_spec(model))
+        agg = _fedavg(model)
         for i in range(50):
             agg.add(deltas[i % 3], float(i + 1))
-        out = agg.finalize(model)
+        out = agg.finalize()
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -160,9 +167,8 @@ def test_memory_stays_one_accumulator_per_tensor() -> None:
 
 def test_an_aggregate_that_overflows_float32_is_refused() -> None:
     """Finite but huge updates can sum to Inf; that model must never be committed."""
-    layout = (TensorSpec("w", "F32", (3,)),)
-    agg = StreamingFedAvg(layout)
+    agg = _fedavg({"w": np.zeros(3, dtype=np.float32)})
     agg.add({"w": np.full(3, 3e38, dtype=np.float32)}, 10.0)
     agg.add({"w": np.full(3, 3e38, dtype=np.float32)}, 10.0)
     with pytest.raises(UpdateRejected, match="not finite"):
-        agg.finalize({"w": np.zeros(3, dtype=np.float32)})
+        agg.finalize()

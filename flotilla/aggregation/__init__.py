@@ -6,8 +6,7 @@ Every strategy follows :class:`Aggregator`: ``begin(round, global_state)``,
 :func:`make_aggregator`; :func:`strategy_info` says what the engine must do for it.
 
 - ``base``: the protocol, :class:`Traits`, shared bookkeeping.
-- ``fedavg``: :class:`FedAvg` (also FedProx's server side) and the first engine's
-  :class:`StreamingFedAvg`.
+- ``fedavg``: :class:`FedAvg` (also FedProx's server side).
 - ``fedopt``: server optimizers :class:`FedAvgM` and :class:`FedOpt` (Adam, Yogi, Adagrad).
 - ``robust``: median, trimmed mean, Krum, multi-Krum, centered clipping, all over an
   on-disk :class:`UpdateSpool`.
@@ -26,7 +25,7 @@ from flotilla.aggregation.dp import (
     PrivacyBudgetExhausted,
     dp_epsilon,
 )
-from flotilla.aggregation.fedavg import FedAvg, FedAvgParams, FedProxParams, StreamingFedAvg
+from flotilla.aggregation.fedavg import FedAvg, FedAvgParams, FedProxParams
 from flotilla.aggregation.fedbuff import FedBuff, FedBuffParams, staleness_weight
 from flotilla.aggregation.fedopt import FedAvgM, FedAvgMParams, FedOpt, FedOptParams
 from flotilla.aggregation.registry import (
@@ -76,7 +75,6 @@ __all__ = [
     "RobustAggregator",
     "SpoolLimits",
     "StrategyInfo",
-    "StreamingFedAvg",
     "Traits",
     "TrimmedMean",
     "TrimmedMeanParams",

@@ -186,3 +186,50 @@ def refuse_unknown(state: Mapping[str, np.ndarray], known: set[str], strategy: s
     extra = sorted(set(state) - known)
     if extra:
         raise SpecError(f"state keys {extra} do not belong to strategy {strategy!r}")
+
+
+class StreamingBase:
+    """What every streaming strategy shares: a round guard and one running weighted sum.
+
+    Subclasses add their ``finalize`` (and ``state``/``restore`` when they keep any).
+    """
+
+    traits: ClassVar[Traits] = Traits()
+
+    def __init__(self, layout: tuple[TensorSpec, ...]) -> None:
+        self._layout = layout
+        self._round = RoundGuard(layout)
+        self._sum = WeightedSum(layout)
+
+    @property
+    def count(self) -> int:
+        return self._sum.count
+
+    @property
+    def total_weight(self) -> float:
+        return self._sum.total_weight
+
+    def begin(self, round: int, global_state: ModelState) -> None:
+        self._round.begin(round, global_state)
+        self._sum.reset()
+
+    def add(self, update: Mapping[str, np.ndarray], weight: float) -> None:
+        self._round.open()
+        validate(self._layout, update, weight)
+        self._sum.fold(update, weight, weight)
+
+    def _mean(self) -> tuple[ModelState, ModelState]:
+        """(global model, weighted mean delta); the round is closed either way."""
+        current = self._round.open()
+        total = self._sum.total_weight
+        try:
+            return current, self._sum.take(1.0 / total if total else 1.0)
+        finally:
+            self._round.end()
+
+    def client_config(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self._sum.reset()
+        self._round.end()

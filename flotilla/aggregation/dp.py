@@ -30,9 +30,8 @@ import numpy as np
 from flotilla.aggregation._kernels import apply_step, blocks, check_update, check_weight, scalar
 from flotilla.aggregation._kernels import squared_norm as _sq
 from flotilla.aggregation.base import (
-    RoundGuard,
+    StreamingBase,
     Traits,
-    WeightedSum,
     fraction,
     positive,
     refuse_unknown,
@@ -199,7 +198,7 @@ class PrivacyAccountant:
         self._epsilon = dp_epsilon(self.rates, self.noise_multiplier, self.delta, self.kind)
 
 
-class DPFedAvg:
+class DPFedAvg(StreamingBase):
     """Clipped, noised, unweighted FedAvg with a privacy budget.
 
     Protocol: ``check_budget(q)`` before a round starts (raises PrivacyBudgetExhausted),
@@ -220,19 +219,9 @@ class DPFedAvg:
         self.accountant = PrivacyAccountant(p.noise_multiplier, p.delta, p.epsilon, p.accountant)
         # Fresh OS entropy unless a test injects a seeded generator; never stored.
         self._rng = rng if rng is not None else np.random.default_rng()
-        self._layout = layout
-        self._round = RoundGuard(layout)
-        self._sum = WeightedSum(layout)
+        super().__init__(layout)
         self._within = 0
         self._planned: float | None = None
-
-    @property
-    def count(self) -> int:
-        return self._sum.count
-
-    @property
-    def total_weight(self) -> float:
-        return self._sum.total_weight
 
     @property
     def epsilon(self) -> float:
@@ -255,8 +244,7 @@ class DPFedAvg:
         return eps
 
     def begin(self, round: int, global_state: ModelState) -> None:
-        self._round.begin(round, global_state)
-        self._sum.reset()
+        super().begin(round, global_state)
         self._within = 0
 
     def add(self, update: Mapping[str, np.ndarray], weight: float) -> None:
@@ -315,10 +303,3 @@ class DPFedAvg:
                 raise SpecError(f"dp/clip_norm in the stored state is {clip!r}")
             self.clip_norm = clip
         self.accountant.load(np.asarray(state.get("dp/sampling_rates", [])).reshape(-1).tolist())
-
-    def client_config(self) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        self._sum.reset()
-        self._round.end()

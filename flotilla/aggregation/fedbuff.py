@@ -26,9 +26,8 @@ import numpy as np
 
 from flotilla.aggregation._kernels import apply_step
 from flotilla.aggregation.base import (
-    RoundGuard,
+    StreamingBase,
     Traits,
-    WeightedSum,
     positive,
     refuse_unknown,
     require,
@@ -78,7 +77,7 @@ def staleness_weight(params: FedBuffParams, tau: int) -> float:
     return 1.0 / (params.hinge_a * (tau - params.hinge_b) + 1.0)
 
 
-class FedBuff:
+class FedBuff(StreamingBase):
     """Buffered asynchronous aggregation; the engine finalizes whenever ``ready()``.
 
     ``begin(version, model)`` starts from a committed model; each ``finalize`` then moves
@@ -88,27 +87,13 @@ class FedBuff:
     traits: ClassVar[Traits] = Traits(asynchronous=True)
 
     def __init__(self, layout: tuple[TensorSpec, ...], params: FedBuffParams | None = None):
+        super().__init__(layout)
         self.params = params or FedBuffParams()
-        self._layout = layout
-        self._round = RoundGuard(layout)
-        self._sum = WeightedSum(layout)
-
-    @property
-    def count(self) -> int:
-        return self._sum.count
-
-    @property
-    def total_weight(self) -> float:
-        return self._sum.total_weight
 
     @property
     def version(self) -> int:
         """The version of the current global model; staleness is measured against it."""
         return self._round.round
-
-    def begin(self, round: int, global_state: ModelState) -> None:
-        self._round.begin(round, global_state)
-        self._sum.reset()
 
     def add(self, update: Mapping[str, np.ndarray], weight: float, staleness: int = 0) -> None:
         """Fold ``weight * s(staleness) * update``; staleness = version - trained-on version."""
@@ -147,10 +132,3 @@ class FedBuff:
 
     def restore(self, state: ModelState) -> None:
         refuse_unknown(state, set(), "fedbuff")
-
-    def client_config(self) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        self._sum.reset()
-        self._round.end()

@@ -23,24 +23,20 @@ without a second model-sized copy of them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import numpy as np
 
 from flotilla.aggregation._kernels import blocks, scalar
 from flotilla.aggregation.base import (
-    RoundGuard,
-    Traits,
-    WeightedSum,
+    StreamingBase,
     fraction,
     positive,
     refuse_unknown,
     require,
     restore_tensors,
     tensor_state,
-    validate,
 )
 from flotilla.core.errors import SpecError, UpdateRejected
 from flotilla.core.tensors import ModelState, TensorSpec
@@ -80,50 +76,6 @@ class FedOptParams:
         positive("tau", self.tau)
 
 
-class _Streaming:
-    """begin/add shared by the server optimizers: a streamed weighted mean per round."""
-
-    traits: ClassVar[Traits] = Traits()
-
-    def __init__(self, layout: tuple[TensorSpec, ...]) -> None:
-        self._layout = layout
-        self._round = RoundGuard(layout)
-        self._sum = WeightedSum(layout)
-
-    @property
-    def count(self) -> int:
-        return self._sum.count
-
-    @property
-    def total_weight(self) -> float:
-        return self._sum.total_weight
-
-    def begin(self, round: int, global_state: ModelState) -> None:
-        self._round.begin(round, global_state)
-        self._sum.reset()
-
-    def add(self, update: Mapping[str, np.ndarray], weight: float) -> None:
-        self._round.open()
-        validate(self._layout, update, weight)
-        self._sum.fold(update, weight, weight)
-
-    def _mean(self) -> tuple[ModelState, ModelState]:
-        """(global model, mean delta); the round is closed either way."""
-        current = self._round.open()
-        total = self._sum.total_weight
-        try:
-            return current, self._sum.take(1.0 / total if total else 1.0)
-        finally:
-            self._round.end()
-
-    def client_config(self) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        self._sum.reset()
-        self._round.end()
-
-
 def _finite(*arrays: np.ndarray) -> None:
     """Blocks are float64; what is stored is float32, where finite may overflow."""
     for arr in arrays:
@@ -137,7 +89,7 @@ def _out(current: np.ndarray, buf: np.ndarray) -> np.ndarray:
     return buf.reshape(np.shape(current)).astype(np.asarray(current).dtype, copy=False)
 
 
-class FedAvgM(_Streaming):
+class FedAvgM(StreamingBase):
     """FedAvg with server momentum (Hsu et al. 2019)."""
 
     def __init__(self, layout: tuple[TensorSpec, ...], params: FedAvgMParams | None = None):
@@ -173,7 +125,7 @@ class FedAvgM(_Streaming):
         self._v = restore_tensors("fedavgm/v", self._layout, state)
 
 
-class FedOpt(_Streaming):
+class FedOpt(StreamingBase):
     """FedAdam, FedYogi or FedAdagrad (Reddi et al. 2021, Algorithm 2)."""
 
     def __init__(
