@@ -25,6 +25,14 @@ seeded by the round, so all Byzantine agents of a round send the same vector (th
 
 Any attack may also lie about the sample count: a Byzantine agent reports
 ``claim_factor`` x its real count (default 1, the truth), which weighted FedAvg believes.
+
+The Byzantine agent runs the stock client, so with ``train.update_momentum = b`` its
+vector is smoothed like any delta. For ``signflip``, ``ipm``, ``alie`` and ``labelflip``
+that is the same attack on momentum vectors; Gaussian noise is averaged down to a std of
+about ``sigma * sqrt((1 - b) / (1 + b))`` (5.8 at b = 0.5), still ~1000x an honest norm,
+and centered clipping caps any vector that far out at ``tau`` whatever its length.
+
+Every agent, honest or not, clamps gradient elements to ``GRAD_CLAMP`` while training.
 """
 
 from __future__ import annotations
@@ -53,6 +61,10 @@ ATTACKS = ("none", "gaussian", "signflip", "ipm", "alie", "labelflip")
 #: stalling on updates the server refuses as non-finite. Healthy digits gradients stay
 #: well inside it.
 GRAD_CLAMP = 10.0
+
+
+def _clamp(grad: torch.Tensor) -> torch.Tensor:
+    return grad.clamp(-GRAD_CLAMP, GRAD_CLAMP)
 
 
 def alie_z(n: int, f: int) -> float:
@@ -104,7 +116,8 @@ class ByzantineDigits(DigitsTask):
     ) -> tuple[int, dict[str, float]]:
         """Honest digits training, with every gradient element clamped to +-GRAD_CLAMP."""
         handles = [
-            p.register_hook(lambda g: g.clamp(-GRAD_CLAMP, GRAD_CLAMP)) for p in model.parameters()
+            p.register_hook(_clamp)  # type: ignore[no-untyped-call]
+            for p in model.parameters()
         ]
         try:
             return super().train(model, data, config, seed)

@@ -145,7 +145,7 @@ class AgentFleet:
             log = (self.logs / f"agent-{len(self.procs)}.log").open("ab")
             cmd = [
                 sys.executable, "-m", "flotilla", "client",
-                "--server", self.server.address, "--token", self.token,
+                "--server", self.server.address, f"--token={self.token}",
                 "--task", task, "--shard", f"{i}/{count}", *extra,
             ]  # fmt: skip
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))

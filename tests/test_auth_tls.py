@@ -415,3 +415,12 @@ async def test_client_trusting_another_ca_cannot_connect(tls_live: LiveServer, p
             call = pb_grpc.AgentStub(channel).Enrol(request, timeout=10)
             await refused(call, grpc.StatusCode.UNAVAILABLE)
     assert await live.store.list_devices() == []
+
+
+def test_secrets_never_start_with_a_dash() -> None:
+    """``--token -abc`` would be read as an option: every token must be a safe argument."""
+    from flotilla.server.auth import new_secret
+
+    secrets = [new_secret() for _ in range(2000)]  # ~31 would start with "-" by chance
+    assert not [s for s in secrets if s.startswith("-")]
+    assert len(set(secrets)) == len(secrets) and all(len(s) >= 43 for s in secrets)

@@ -24,6 +24,7 @@ from flotilla.core.blobs import sha256_hex
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import ModelState, encode_state
 from flotilla.core.timeouts import Timeouts
+from flotilla.engine import EngineConfig
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.server.app import ServerConfig
 from tests.live_grpc import (
@@ -512,3 +513,20 @@ async def test_reservations_are_checked_like_uploads(sqlite_live: LiveServer) ->
     borrowed = update_messages(task, payload, reservation=theirs.reservation)
     await refused(live.send_update(other, borrowed), STALE, "stale round")
     assert live.server.upload_budget.used == 1000, "a refused stranger frees nothing"
+
+
+async def test_a_round_refused_again_and_again_fails_its_job(tmp_path: Path) -> None:
+    """Each update is finite, but their weighted sum overflows float32: the aggregate is
+    refused, and after ``max_refused_rounds`` tries in a row the job fails instead of
+    holding its devices forever."""
+    engine = EngineConfig(selection_grace_s=0.2, max_refused_rounds=2)
+    async with live_server(tmp_path / "state", engine=engine) as live:
+        device = await live.enrol()
+        job_id = await live.submit()
+        for _ in range(2):
+            task = await live.poll_task(device)
+            model = await live.fetch(device, task)
+            huge = encode_state(small_delta(model, value=3e38))
+            assert (await live.send_update(device, update_messages(task, huge))).accepted
+        await live.wait_state(job_id, "failed")
+        await live.assert_nothing_committed(job_id)

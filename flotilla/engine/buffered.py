@@ -87,8 +87,9 @@ async def run_buffered(runner: JobRunner) -> None:
             try:
                 await runner.commit(runner.job.rounds_committed + 1, started, tally)
             except UpdateRejected as exc:
-                # FedBuff dropped the buffer and kept the current model: carry on.
-                log.warning("job %s: buffered step not committed: %s", runner.job.id, exc)
+                # FedBuff dropped the buffer and kept the current model: carry on, up to
+                # the engine's limit of refusals in a row.
+                runner.refused(runner.job.rounds_committed + 1, exc)
             tally = RoundTally()
             started = runner.clock()
     finally:

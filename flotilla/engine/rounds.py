@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flotilla.aggregation import Aggregator, PrivacyBudgetExhausted
-from flotilla.core.errors import UpdateRejected
+from flotilla.core.errors import FlotillaError, UpdateRejected
 from flotilla.core.records import JobRecord, ParticipationRecord, RoundCommit
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import (
@@ -41,6 +41,10 @@ class EngineConfig:
     retry_pause_s: float = 1.0
     #: How often to look for idle devices while waiting.
     idle_poll_s: float = 0.1
+    #: A round whose aggregate is refused this many times in a row fails the job: its
+    #: updates keep producing a model that must not be committed (NaN, overflow), and
+    #: retrying forever would hold devices other jobs need.
+    max_refused_rounds: int = 5
 
 
 @dataclass(slots=True)
@@ -72,6 +76,8 @@ class JobRunner:
     #: What devices download for the current checkpoint.
     _broadcast: Broadcast = field(init=False, default=Broadcast("", 0))
     _broadcaster: Broadcaster = field(init=False)
+    #: Consecutive attempts whose aggregate was refused.
+    _refused: int = field(init=False, default=0)
 
     async def run(self) -> JobRecord:
         self._plan = JobPlan.from_spec(self.spec)
@@ -151,13 +157,23 @@ class JobRunner:
         try:
             await self.commit(round_no, started, tally, rate)
         except UpdateRejected as exc:
-            log.warning("job %s round %d not committed: %s", self.job.id, round_no, exc)
             await self._rollback()
+            self.refused(round_no, exc)
             return False
         except BaseException:
             await self._rollback()
             raise
         return True
+
+    def refused(self, round_no: int, exc: UpdateRejected) -> None:
+        """Count a refused aggregate; too many in a row end the job (FlotillaError)."""
+        self._refused += 1
+        log.warning("job %s round %d not committed: %s", self.job.id, round_no, exc)
+        if self._refused >= self.config.max_refused_rounds:
+            raise FlotillaError(
+                f"round {round_no} of job {self.job.id} was refused {self._refused} times in "
+                f"a row ({exc}); the job fails rather than retry forever"
+            )
 
     async def _select(self) -> tuple[list[str], float]:
         """Claim devices for a round; also the sampling rate, for privacy accounting."""
@@ -282,6 +298,7 @@ class JobRunner:
             aggregator_sha256=agg_sha,
         )
         self.job = await self.ledger.commit_round(commit)
+        self._refused = 0
         await self._prepare_broadcast()
         log.info("job %s round %d committed: %s", self.job.id, round_no, metrics)
 

@@ -22,7 +22,11 @@ __all__ = [
 
 
 def new_secret() -> str:
-    return secrets.token_urlsafe(32)
+    """256 random bits, URL-safe. Never starting with ``-``: a token is passed as a
+    command-line value (``--token T``), where a leading dash reads as an option."""
+    while (secret := secrets.token_urlsafe(32)).startswith("-"):
+        pass
+    return secret
 
 
 def hash_secret(secret: str) -> str:
