@@ -259,7 +259,7 @@ class Agent:
         )
         async for chunk in call:
             assembler.add(chunk.data, chunk.offset)
-        return await asyncio.to_thread(assembler.finish)
+        return assembler.finish()
 
     async def _fetch_delta(self, task: pb.TrainTask, base: memoryview) -> memoryview | None:
         """The new model rebuilt from the one held plus the broadcast delta, or None (then

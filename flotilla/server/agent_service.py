@@ -368,7 +368,7 @@ class AgentService(pb_grpc.AgentServicer):
             except asyncio.TimeoutError:
                 raise WireError(f"upload stalled: no data for {idle:.0f}s") from None
             if msg is None:
-                return await asyncio.to_thread(assembler.finish)
+                return assembler.finish()
             if msg.WhichOneof("part") != "data":
                 raise WireError("an update carries exactly one header")
             assembler.add(msg.data)
