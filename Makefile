@@ -32,6 +32,8 @@ lint:
 
 bench:
 	$(PY) benchmarks/federation.py --quick
+	$(PY) benchmarks/aggregation.py --quick
+	$(PY) benchmarks/compression.py --quick
 
 proto:
 	$(PY) -m flotilla.proto.generate
