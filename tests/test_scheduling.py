@@ -84,9 +84,7 @@ def test_release_only_by_the_owning_job(pool: DevicePool) -> None:
     pool.release("nobody", "job-a")  # unknown devices are ignored
 
 
-def test_expire_takes_silent_devices_offline_and_frees_them(
-    pool: DevicePool, clock: FakeClock
-) -> None:
+def test_expire_takes_silent_devices_offline(pool: DevicePool, clock: FakeClock) -> None:
     pool.claim(["d1", "d3"], "job-a")
     clock.now += 20
     pool.touch("d3")
@@ -96,11 +94,25 @@ def test_expire_takes_silent_devices_offline_and_frees_them(
     clock.now += 0.5
     assert sorted(pool.expire(30.0)) == ["d1", "d2", "d5"]
     assert not pool.is_online("d1")
-    assert pool.busy_with("d1") is None  # its job no longer holds it
+    assert pool.busy_with("d1") == "job-a"  # its job holds it until it releases it
     assert pool.busy_with("d3") == "job-a"
     assert _idle(pool, "A") == ["d4"]
     assert len(pool) == 2
     assert pool.expire(30.0) == []  # already offline: not reported twice
+
+
+def test_a_silent_busy_device_that_speaks_again_is_not_claimed_twice(
+    pool: DevicePool, clock: FakeClock
+) -> None:
+    """Its update may already be queued for its job: a second job must wait for the release."""
+    pool.claim(["d1"], "job-a")
+    clock.now += 100
+    pool.expire(30.0)
+    pool.touch("d1")
+    assert pool.is_online("d1")
+    assert "d1" not in _idle(pool, "A")
+    pool.release("d1", "job-a")
+    assert "d1" in _idle(pool, "A")
 
 
 def test_a_device_that_comes_back_is_idle_again(pool: DevicePool, clock: FakeClock) -> None:

@@ -50,11 +50,16 @@ class DevicePool:
             state.busy_with = None
 
     def expire(self, liveness_s: float) -> list[str]:
-        """Mark devices silent for longer than ``liveness_s`` offline and free them."""
+        """Mark devices silent for longer than ``liveness_s`` offline.
+
+        A silent device keeps its job: an update it already delivered may still be waiting
+        to be folded, and a device that speaks again must not be claimed by a second job
+        meanwhile. Its job releases it (or it frees itself by polling again).
+        """
         now = self.clock()
         gone = [d for d, s in self._devices.items() if s.online and now - s.last_seen > liveness_s]
         for device_id in gone:
-            self.leave(device_id)
+            self._devices[device_id].online = False
         return gone
 
     def idle(self, task: str) -> list[DeviceProfile]:

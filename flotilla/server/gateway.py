@@ -187,6 +187,9 @@ class Gateway:
             if device_id in rnd.pending:
                 rnd.pending.discard(device_id)
                 rnd.results.put_nowait(Failed(device_id, reason))
+                # Nothing of it waits to be folded, so it is free now. (A silent device
+                # whose update is already queued stays its job's until that job lets go.)
+                self.pool.release(device_id, rnd.task.job_id)
         self._offers.pop(device_id, None)
 
     def reap(self, liveness_s: float) -> list[str]:
