@@ -31,6 +31,7 @@ from flotilla.server.blobstore import BlobStore
 from flotilla.server.budget import ByteBudget
 from flotilla.server.evaluation import initial_model, server_evaluator
 from flotilla.server.gateway import Gateway
+from flotilla.server.memory import release_free_memory
 from flotilla.server.operator_service import OperatorService
 from flotilla.server.store import Store, default_url
 
@@ -152,6 +153,7 @@ class FederationServer:
             await asyncio.sleep(min(1.0, self.config.timeouts.liveness / 4))
             for device_id in self.gateway.reap(self.config.timeouts.liveness):
                 log.info("device %s went silent", device_id)
+            release_free_memory()
 
     # --- devices -------------------------------------------------------------------------
 
