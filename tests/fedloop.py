@@ -20,6 +20,7 @@ from flotilla.engine import JobPlan
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.server.agent_service import decode_update
 from flotilla.server.evaluation import initial_model, server_evaluator
+from flotilla.tasks import Shard
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"
 
@@ -55,7 +56,7 @@ def run_federation(
     evaluate = server_evaluator(spec)
     assert evaluate is not None
     trainers = [
-        LocalTrainer(spec.job.task, _shard(i, clients), state_dir=_dir(state_dir, i))
+        LocalTrainer(spec.job.task, Shard(i, clients), state_dir=_dir(state_dir, i))
         for i in range(clients)
     ]
     rng = random.Random(seed)
@@ -87,12 +88,6 @@ def run_federation(
     finally:
         aggregator.close()
     return result
-
-
-def _shard(index: int, count: int) -> object:
-    from flotilla.tasks import Shard
-
-    return Shard(index, count)
 
 
 def _dir(root: Path | None, index: int) -> Path | None:

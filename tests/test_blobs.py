@@ -129,6 +129,15 @@ def test_corrupt_file_on_disk_is_detected(store: BlobStore) -> None:
         store.get(SHA)
 
 
+def test_mapped_blobs_are_checked_once_per_process(store: BlobStore) -> None:
+    store.put(DATA)
+    assert bytes(store.get_mapped(SHA)) == DATA
+    store.path(SHA).write_bytes(DATA[:-1] + b"\0")
+    # A server that starts on a state dir (a new store) checks what it maps.
+    with pytest.raises(IntegrityError, match="corrupt"):
+        BlobStore(store.root).get_mapped(SHA)
+
+
 def test_put_replaces_a_corrupt_copy(store: BlobStore) -> None:
     store.put(DATA)
     store.path(SHA).write_bytes(b"garbage")

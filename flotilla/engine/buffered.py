@@ -13,15 +13,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from flotilla.core.errors import UpdateRejected
 from flotilla.core.tensors import decode_state
 from flotilla.engine.backend import Delivered, Failed, RoundResult
+from flotilla.engine.rounds import JobRunner, RoundTally, next_result
 from flotilla.scheduling import RoundOutcome
-
-if TYPE_CHECKING:
-    from flotilla.engine.rounds import JobRunner
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +36,13 @@ async def _drain(
     """Forward one dispatch's results, tagged with the model version they trained on."""
     async with contextlib.aclosing(results):  # type: ignore[type-var]
         for _ in range(expected):
-            remaining = deadline - runner.clock()
-            if remaining <= 0:
-                return
-            try:
-                result = await asyncio.wait_for(results.__anext__(), timeout=remaining)
-            except (StopAsyncIteration, asyncio.TimeoutError):
+            result = await next_result(results, deadline - runner.clock())
+            if result is None:
                 return
             await out.put((version, result))
 
 
 async def run_buffered(runner: JobRunner) -> None:
-    from flotilla.engine.rounds import RoundTally
-
     aggregator = runner._aggregator
     model = decode_state(
         await asyncio.to_thread(runner.blobs.get_mapped, runner.job.checkpoint_sha256)

@@ -78,13 +78,18 @@ class JobRunner:
     _broadcaster: Broadcaster = field(init=False)
     #: Consecutive attempts whose aggregate was refused.
     _refused: int = field(init=False, default=0)
+    #: What devices get with every task (fixed for the job).
+    _client_config: str = field(init=False, default="")
 
     async def run(self) -> JobRecord:
         self._plan = JobPlan.from_spec(self.spec)
-        model = decode_state(await asyncio.to_thread(self.blobs.get, self.job.checkpoint_sha256))
-        self._layout = state_spec(model)
+        model = await asyncio.to_thread(self.blobs.get_mapped, self.job.checkpoint_sha256)
+        self._layout = state_spec(decode_state(model))  # reads the header only
         del model
         self._aggregator = await self._restored_aggregator()
+        self._client_config = self._plan.client_config_json(
+            self._layout, self._aggregator.client_config()
+        )
         comp = self.spec.compression
         self._broadcaster = Broadcaster(self.blobs, self._plan.downlink, comp.downlink_delta)
         if self.job.state == "pending":
@@ -204,9 +209,7 @@ class JobRunner:
             round=round_no,
             round_token=uuid.uuid4().hex,
             task=self.spec.job.task,
-            config_json=self._plan.client_config_json(
-                self._layout, self._aggregator.client_config()
-            ),
+            config_json=self._client_config,
             model_sha256=cast.sha256,
             model_size=cast.size,
             deadline=started + self.spec.job.round_deadline_s,
@@ -223,12 +226,8 @@ class JobRunner:
     ) -> None:
         want = self.spec.job.clients_per_round
         while self._aggregator.count < want:
-            remaining = task.deadline - self.clock()
-            if remaining <= 0:
-                return
-            try:
-                result = await asyncio.wait_for(results.__anext__(), timeout=remaining)
-            except (StopAsyncIteration, asyncio.TimeoutError):
+            result = await next_result(results, task.deadline - self.clock())
+            if result is None:
                 return
             self.fold(result, tally)
             del result  # do not hold a model-sized update while waiting for the next one
@@ -360,3 +359,13 @@ def _per_device(
             min(prev.started_at, p.started_at), max(prev.finished_at, p.finished_at), metrics,
         )  # fmt: skip
     return tuple(merged.values())
+
+
+async def next_result(results: AsyncIterator[RoundResult], timeout: float) -> RoundResult | None:
+    """The next result within ``timeout`` seconds; None when the stream ends or time is up."""
+    if timeout <= 0:
+        return None
+    try:
+        return await asyncio.wait_for(results.__anext__(), timeout=timeout)
+    except (StopAsyncIteration, asyncio.TimeoutError):
+        return None

@@ -23,6 +23,9 @@ class BlobStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        #: Blobs this process wrote or already hashed: immutable, so not hashed again on
+        #: every round that maps them.
+        self._verified: set[str] = set()
         for leftover in self.root.glob("**/.tmp-*"):  # writes a crash cut short
             leftover.unlink(missing_ok=True)
 
@@ -53,12 +56,13 @@ class BlobStore:
             target = self.path(sha)
             if target.exists() and self._intact(target, sha):
                 Path(tmp).unlink()
-                return sha
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, target)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        self._verified.add(sha)
         return sha
 
     @staticmethod
@@ -84,15 +88,17 @@ class BlobStore:
 
         A round holds its global model for its whole length but reads it only to finalize;
         mapped, it costs memory only then. Blobs are never rewritten in place, so the map
-        cannot change under the reader.
+        cannot change under the reader, and one check per process is enough.
         """
         path = self.path(sha256)
-        try:
-            intact = self._intact(path, sha256)
-        except FileNotFoundError as exc:
-            raise NotFoundError(f"no blob {sha256}") from exc
-        if not intact:
-            raise IntegrityError(f"blob {sha256} is corrupt on disk")
+        if sha256 not in self._verified:
+            try:
+                intact = self._intact(path, sha256)
+            except FileNotFoundError as exc:
+                raise NotFoundError(f"no blob {sha256}") from exc
+            if not intact:
+                raise IntegrityError(f"blob {sha256} is corrupt on disk")
+            self._verified.add(sha256)
         with path.open("rb") as fh:
             if os.fstat(fh.fileno()).st_size == 0:
                 return memoryview(b"")
