@@ -346,7 +346,7 @@ async def test_reap_withdraws_offers_never_picked_up(
     assert await gw.poll("a", 0.01) is None
 
 
-# --- behaviour the gateway still gets wrong (see the report) ---------------------------------
+# --- updates whose sender stopped waiting --------------------------------------------------
 
 
 async def test_an_update_whose_agent_was_told_stale_is_never_aggregated(
@@ -365,7 +365,46 @@ async def test_an_update_whose_agent_was_told_stale_is_never_aggregated(
     with pytest.raises(StaleRoundError):
         await gw.deliver(open_round, _update("b", rnd.task), 0.01)
     result = await rnd.next()
-    assert not isinstance(result, Delivered), "the engine would aggregate a refused update"
+    assert isinstance(result, Delivered) and not result.wanted(), (
+        "the engine would aggregate a refused update"
+    )
+
+
+async def test_an_agent_hanging_up_mid_verdict_frees_its_device_and_withdraws_the_update(
+    gw: Gateway, rounds: list[Round]
+) -> None:
+    rnd = await _open(gw, rounds, "a")
+    await gw.poll("a", 0.01)
+    delivery = await _submit(gw, "a", rnd.task)
+    delivery.cancel()  # the agent's call ended (deadline, reset) before the engine decided
+    with pytest.raises(asyncio.CancelledError):
+        await delivery
+    # The agent polls again: it owes nothing, so another job may claim it ...
+    assert await gw.poll("a", 0.01) is None
+    assert "a" in _idle(gw)
+    other = await _open(gw, rounds, "a", _task("tok-2", job="job-2"))
+    assert gw.pool.busy_with("a") == "job-2"
+    # ... and the first job, reading the update late, must not fold it.
+    result = await rnd.next()
+    assert isinstance(result, Delivered) and not result.wanted()
+    result.settle(None)  # too late to tell anyone; changes nothing
+    assert gw.pool.busy_with("a") == "job-2"
+    await other.close()
+
+
+async def test_a_device_awaiting_a_verdict_is_not_freed_by_a_second_poll(
+    gw: Gateway, rounds: list[Round]
+) -> None:
+    rnd = await _open(gw, rounds, "a")
+    await gw.poll("a", 0.01)
+    delivery = await _submit(gw, "a", rnd.task)
+    # A misbehaving agent polls while its upload still waits for the engine's verdict.
+    assert await gw.poll("a", 0.01) is None
+    assert gw.pool.busy_with("a") == JOB
+    result = await rnd.next()
+    assert isinstance(result, Delivered) and result.wanted()
+    result.settle(None)
+    await delivery
 
 
 async def test_a_poll_right_after_dispatch_gets_the_offer(gw: Gateway, rounds: list[Round]) -> None:

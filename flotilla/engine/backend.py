@@ -40,6 +40,10 @@ def _accept_silently(reason: str | None) -> None:
     """Default settle hook for backends whose senders need no answer."""
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class Delivered:
     """A decoded, well-formed update. ``settle(None)`` accepts it, ``settle(why)`` refuses it."""
@@ -48,6 +52,9 @@ class Delivered:
     #: Seconds from dispatch to arrival.
     elapsed_s: float
     settle: Callable[[str | None], None] = _accept_silently
+    #: False once the sender stopped waiting for a verdict (it timed out or hung up). Such
+    #: an update must not be folded: its device may already be serving another job.
+    wanted: Callable[[], bool] = _always
 
 
 @dataclass(frozen=True, slots=True)

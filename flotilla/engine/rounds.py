@@ -239,6 +239,10 @@ class JobRunner:
             tally.failures.append(result.device_id)
             return False
         update = result.update
+        if not result.wanted():
+            # Its sender gave up waiting; the device may already serve another job.
+            tally.failures.append(update.device_id)
+            return False
         if staleness is None and self._aggregator.count >= self.spec.job.clients_per_round:
             result.settle("round already has enough updates")
             tally.failures.append(update.device_id)

@@ -25,9 +25,9 @@ class OpenRound:
     started: float
     #: Selected devices that have not reported yet.
     pending: set[str]
+    #: Devices whose upload is delivered and waits for the engine's verdict.
+    awaiting: set[str] = field(default_factory=set)
     results: asyncio.Queue[RoundResult] = field(default_factory=asyncio.Queue)
-    #: Devices whose upload timed out waiting for a verdict: told stale, so never aggregated.
-    withdrawn: set[str] = field(default_factory=set)
     #: Model bytes streamed to each device for this round.
     bytes_down: dict[str, int] = field(default_factory=dict)
 
@@ -47,10 +47,7 @@ class RoundStream:
         if rnd.task.round_token in self._gateway._rounds and (
             rnd.pending or not rnd.results.empty()
         ):
-            result = await rnd.results.get()
-            if isinstance(result, Delivered) and result.update.device_id in rnd.withdrawn:
-                return Failed(result.update.device_id, "update timed out waiting for a verdict")
-            return result
+            return await rnd.results.get()
         await self.aclose()
         raise StopAsyncIteration
 
@@ -125,7 +122,7 @@ class Gateway:
             self.pool.release(device_id, busy)
 
     def _owes(self, device_id: str) -> bool:
-        return any(device_id in r.pending for r in self._rounds.values())
+        return any(device_id in r.pending or device_id in r.awaiting for r in self._rounds.values())
 
     def round_open(self, round_token: str) -> bool:
         return round_token in self._rounds
@@ -169,12 +166,20 @@ class Gateway:
                 verdict.set_result(reason)
 
         rnd.pending.discard(update.device_id)
-        rnd.results.put_nowait(Delivered(update, self.clock() - rnd.started, settle))
+        rnd.awaiting.add(update.device_id)
+        rnd.results.put_nowait(
+            Delivered(update, self.clock() - rnd.started, settle, lambda: not verdict.done())
+        )
         try:
             reason = await asyncio.wait_for(verdict, timeout=timeout_s)
         except asyncio.TimeoutError:
-            rnd.withdrawn.add(update.device_id)
             reason = "stale: the round did not take this update in time"
+        finally:
+            # Timed out or hung up (handler cancelled): from now on the engine must not
+            # fold this update, because the device is free to poll and serve another job.
+            if not verdict.done():
+                verdict.cancel()
+            rnd.awaiting.discard(update.device_id)
         if reason is None:
             return
         if reason.startswith("stale"):
