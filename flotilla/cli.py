@@ -52,7 +52,59 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--state-dir", type=Path, default=None, help="keep state here")
     demo.add_argument("--json", action="store_true", help="print the results as JSON")
     demo.set_defaults(handler=_demo)
+    _simulate_parser(commands)
     return parser
+
+
+# --- simulate --------------------------------------------------------------------------
+
+
+def _simulate_parser(commands: Any) -> None:
+    sim = commands.add_parser(
+        "simulate", help="run an experiment on thousands of virtual clients (simulated time)"
+    )
+    sim.add_argument("experiment", type=Path, help="experiment TOML: a job spec + [population]")
+    sim.add_argument("--clients", type=int, default=None, help="population size (overrides)")
+    sim.add_argument("--seed", type=int, default=None, help="simulation seed (overrides)")
+    sim.add_argument("--out", type=Path, default=Path("sim-out"), help="output directory")
+    sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    sim.add_argument(
+        "--devices", default="cpu", help="where clients train: cpu, or cuda:0,cuda:1,..."
+    )
+    sim.add_argument("--backend", choices=("local", "ray"), default="local")
+    sim.add_argument("--json", action="store_true", help="print summary.json to stdout")
+    sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sim.set_defaults(handler=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from flotilla.simulation import load_experiment, run_experiment
+    from flotilla.simulation.runner import format_duration
+
+    if not args.verbose:  # the progress bar says it; one log line per round would not
+        logging.getLogger("flotilla.engine").setLevel(logging.WARNING)
+    experiment = load_experiment(args.experiment, args.set, args.clients, args.seed)
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    summary = run_experiment(
+        experiment,
+        args.out,
+        devices=devices,
+        backend=args.backend,
+        progress=not args.no_progress,
+    )
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    else:
+        for name, job in summary["jobs"].items():
+            metrics = job["final_metrics"]
+            accuracy = metrics.get("accuracy")
+            shown = "n/a" if accuracy is None else f"{accuracy:.3f}"
+            print(
+                f"{name}: {job['state']}, {job['rounds']} rounds, accuracy {shown}, "
+                f"{format_duration(job['simulated_seconds'])} simulated"
+            )
+        print(f"wall time {summary['wall_seconds']:.1f}s; results in {args.out}")
+    return 0
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:

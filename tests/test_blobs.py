@@ -10,7 +10,7 @@ import pytest
 
 from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
 from flotilla.core.errors import IntegrityError, NotFoundError, WireError
-from flotilla.server.blobstore import BlobStore
+from flotilla.core.blobstore import BlobStore
 
 DATA = os.urandom(10_000)
 SHA = hashlib.sha256(DATA).hexdigest()

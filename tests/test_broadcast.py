@@ -14,7 +14,7 @@ from flotilla.core.errors import IntegrityError
 from flotilla.core.tensors import decode_state, encode_state, state_spec
 from flotilla.engine.broadcast import Broadcaster
 from flotilla.proto import flotilla_pb2 as pb
-from flotilla.server.blobstore import BlobStore
+from flotilla.core.blobstore import BlobStore
 
 
 def _models(n: int) -> list[dict[str, np.ndarray]]:

@@ -93,7 +93,7 @@ def test_fedadam_state_is_committed_with_each_round(
 ) -> None:
     import asyncio
 
-    from flotilla.server.blobstore import BlobStore
+    from flotilla.core.blobstore import BlobStore
     from flotilla.server.store import Store, default_url
 
     async def read() -> str:

@@ -88,7 +88,7 @@ class LocalTrainer:
     #: Where per-job residuals and update momentum are kept; None keeps them in memory.
     state_dir: Path | None = None
     _task: Any = field(default=None, init=False)
-    _data: dict[DataSection, Any] = field(default_factory=dict, init=False)
+    _data: dict[str, Any] = field(default_factory=dict, init=False)
     _feedback: dict[str, ErrorFeedback] = field(default_factory=dict, init=False)
     _momentum: dict[str, ErrorFeedback] = field(default_factory=dict, init=False)
 
@@ -111,9 +111,10 @@ class LocalTrainer:
 
         task = self._load()
         config = RoundConfig.from_json(work.config_json)
-        if config.data not in self._data:
-            self._data = {config.data: self._load_data(task, config.data)}
-        data = self._data[config.data]
+        key = config.data.key()
+        if key not in self._data:
+            self._data = {key: self._load_data(task, config.data)}
+        data = self._data[key]
         global_state = decode_model(model_bytes, config)
         model = task.build_model(0)
         load_model_state(model, global_state)

@@ -4,6 +4,7 @@
 - ``spec``: :class:`JobSpec` from TOML, unknown fields refused by name.
 - ``tensors``: model states and the safe safetensors wire format.
 - ``blobs``: chunking and SHA-256 checking of blobs in transit.
+- ``blobstore``: :class:`BlobStore`, content-addressed checkpoints on disk.
 - ``update``: :class:`Update`, one device's contribution to a round.
 - ``device``: :class:`DeviceProfile`.
 - ``records``: the durable rows (jobs, rounds, participations, devices).
@@ -12,6 +13,7 @@
 """
 
 from flotilla.core.blobs import CHUNK_BYTES, BlobAssembler, iter_chunks, sha256_hex
+from flotilla.core.blobstore import BlobStore
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import (
     AuthError,
@@ -54,6 +56,7 @@ __all__ = [
     "TERMINAL_STATES",
     "AuthError",
     "BlobAssembler",
+    "BlobStore",
     "DeviceProfile",
     "DeviceRecord",
     "FlotillaError",

@@ -74,6 +74,12 @@ class DataSection:
     alpha: float = 0.5
     #: Seed of the partition, shared by every agent so shards are disjoint.
     seed: int = 0
+    #: Task-specific parameters (scalars), e.g. ``{augment = true}`` for digits.
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def key(self) -> str:
+        """A hashable identity: equal sections give equal keys (``params`` is a dict)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

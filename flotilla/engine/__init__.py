@@ -5,9 +5,11 @@
 - ``plan``: :class:`JobPlan`, a spec turned into aggregator and codecs; :func:`validate_spec`.
 - ``rounds``: :class:`JobRunner`, which drives one job round by round.
 - ``buffered``: FedBuff's asynchronous rounds, for strategies with ``traits.asynchronous``.
+- ``evaluation``: a job's round-0 model and held-out evaluation, from its task.
 """
 
 from flotilla.engine.backend import Backend, Delivered, Failed, RoundResult, TrainTask
+from flotilla.engine.evaluation import initial_model, server_evaluator
 from flotilla.engine.plan import JobPlan, validate_spec
 from flotilla.engine.ports import Blobs, Evaluator, Ledger
 from flotilla.engine.rounds import EngineConfig, JobRunner
@@ -24,5 +26,7 @@ __all__ = [
     "Ledger",
     "RoundResult",
     "TrainTask",
+    "initial_model",
+    "server_evaluator",
     "validate_spec",
 ]

@@ -4,9 +4,7 @@
 - ``agent_service`` / ``operator_service``: the gRPC handlers for agents and operators.
 - ``gateway``: :class:`Gateway`, the real-device Backend the round engine dispatches to.
 - ``store`` / ``schema`` / ``records``: persistence (SQLAlchemy 2, SQLite or PostgreSQL).
-- ``blobstore``: content-addressed checkpoints on disk.
 - ``auth``: tokens and credentials (hashes only are stored).
-- ``evaluation``: round-0 models and held-out evaluation from a job's task.
 - ``remote``: :class:`RemoteServer`, the operator's gRPC client used by the CLI.
 
 Exports load lazily so ``import flotilla.server.remote`` stays free of the database stack.
@@ -22,7 +20,6 @@ _EXPORTS = {
     "ServerConfig": "flotilla.server.app",
     "Gateway": "flotilla.server.gateway",
     "Store": "flotilla.server.store",
-    "BlobStore": "flotilla.server.blobstore",
     "RemoteServer": "flotilla.server.remote",
 }
 

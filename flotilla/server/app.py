@@ -16,20 +16,20 @@ from pathlib import Path
 import grpc
 
 from flotilla.core.blobs import CHUNK_BYTES
+from flotilla.core.blobstore import BlobStore
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError, TaskLoadError
 from flotilla.core.records import DeviceRecord, JobRecord
 from flotilla.core.spec import JobSpec
 from flotilla.core.timeouts import Timeouts
 from flotilla.engine import EngineConfig, JobRunner, validate_spec
+from flotilla.engine.evaluation import initial_model, server_evaluator
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
 from flotilla.scheduling import DevicePool, RandomSelector
 from flotilla.server import auth
 from flotilla.server.agent_service import AgentService, profile_from_pb
-from flotilla.server.blobstore import BlobStore
 from flotilla.server.budget import ByteBudget
-from flotilla.server.evaluation import initial_model, server_evaluator
 from flotilla.server.gateway import Gateway
 from flotilla.server.memory import release_free_memory
 from flotilla.server.operator_service import OperatorService

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -90,11 +92,59 @@ class DigitsMLP(nn.Module):
         return self.net(x * 2.0 - 1.0)  # type: ignore[no-any-return]
 
 
+@dataclass(frozen=True, slots=True)
+class AugmentParams:
+    """``data.params`` of the digits task."""
+
+    #: Give each device augmented copies of real images instead of a slice of the pool.
+    augment: bool = False
+    min_samples: int = 20
+    max_samples: int = 100
+    #: Largest rotation (degrees) and shift (pixels) either way; noise std on [0, 1] pixels.
+    max_rotation: float = 15.0
+    max_shift: float = 1.0
+    noise: float = 0.05
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> AugmentParams:
+        from flotilla.core.spec import build_dataclass
+
+        made = build_dataclass(cls, params, "digits task", "data.params.")
+        if not 2 <= made.min_samples <= made.max_samples:
+            raise ValueError("data.params: need 2 <= min_samples <= max_samples")
+        return made
+
+
+def augment_digits(images: np.ndarray, rng: np.random.Generator, p: AugmentParams) -> np.ndarray:
+    """Rotate, shift and noise 8x8 images (rows of 64 in [0, 1]); bilinear, zero outside."""
+    n = len(images)
+    grid = images.reshape(n, 8, 8)
+    theta = np.deg2rad(rng.uniform(-p.max_rotation, p.max_rotation, size=(n, 1, 1)))
+    shift = rng.uniform(-p.max_shift, p.max_shift, size=(2, n, 1, 1))
+    rows, cols = np.meshgrid(np.arange(8.0), np.arange(8.0), indexing="ij")
+    u, v = cols - 3.5 - shift[0], rows - 3.5 - shift[1]
+    # Each output pixel reads the source point that the rotation brings onto it.
+    src_c = np.cos(theta) * u + np.sin(theta) * v + 3.5
+    src_r = -np.sin(theta) * u + np.cos(theta) * v + 3.5
+    r0, c0 = np.floor(src_r).astype(np.int64), np.floor(src_c).astype(np.int64)
+    fr, fc = src_r - r0, src_c - c0
+    out = np.zeros_like(grid)
+    batch = np.arange(n)[:, None, None]
+    for dr, dc, w in ((0, 0, (1 - fr) * (1 - fc)), (0, 1, (1 - fr) * fc),
+                      (1, 0, fr * (1 - fc)), (1, 1, fr * fc)):  # fmt: skip
+        rr, cc = r0 + dr, c0 + dc
+        inside = (rr >= 0) & (rr < 8) & (cc >= 0) & (cc < 8)
+        out += w * inside * grid[batch, np.clip(rr, 0, 7), np.clip(cc, 0, 7)]
+    out += rng.normal(0.0, p.noise, size=out.shape)
+    return np.clip(out, 0.0, 1.0).reshape(n, 64).astype(np.float32)
+
+
 class DigitsTask:
     """MLP classifier on ``sklearn.datasets.load_digits``; implements :class:`Task`."""
 
     def __init__(self) -> None:
         self._split: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._partitions: dict[tuple[int, float, int], list[np.ndarray]] = {}
 
     def _data(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Pool and held-out arrays, loaded once per task instance."""
@@ -130,14 +180,43 @@ class DigitsTask:
         return model
 
     def load_shard(self, shard: Shard, data: DataSection) -> LocalData:
+        augment = AugmentParams.from_params(data.params)
+        if augment.augment:
+            return self._augmented_shard(shard, data, augment)
         x_pool, y_pool, _, _ = self._data()
-        shards = dirichlet_partition(y_pool, shard.count, data.alpha, data.seed)
-        mine = shards[shard.index]
+        key = (shard.count, data.alpha, data.seed)
+        if key not in self._partitions:  # the same split serves every shard of a fleet
+            self._partitions = {key: dirichlet_partition(y_pool, *key)}
+        mine = self._partitions[key][shard.index]
         rng = np.random.default_rng([data.seed % 2**64, shard.count, shard.index])
         order = rng.permutation(mine)
         n_val = max(1, round(VAL_FRACTION * len(order)))
         val, train = order[:n_val], order[n_val:]
         return LocalData(train=_tensors(x_pool, y_pool, train), val=_tensors(x_pool, y_pool, val))
+
+    def _augmented_shard(self, shard: Shard, data: DataSection, p: AugmentParams) -> LocalData:
+        """A shard for fleets larger than the 1,437 pool images allow: ``min..max_samples``
+        examples with Dirichlet(alpha) label skew, each a real pool image of its label,
+        shifted, rotated and noised. The held-out split is never touched."""
+        x_pool, y_pool, _, _ = self._data()
+        rng = np.random.default_rng([data.seed % 2**64, shard.count, shard.index, 1])
+        n = int(rng.integers(p.min_samples, p.max_samples + 1))
+        mix = np.nan_to_num(rng.dirichlet(np.full(NUM_CLASSES, data.alpha)), nan=0.1)
+        labels = rng.choice(NUM_CLASSES, size=n, p=mix / mix.sum())
+        source = np.empty(n, dtype=np.int64)
+        for c in range(NUM_CLASSES):
+            where = np.flatnonzero(labels == c)
+            members = np.flatnonzero(y_pool == c)
+            source[where] = members[rng.integers(len(members), size=len(where))]
+        images = augment_digits(x_pool[source], rng, p)
+        n_val = max(1, round(VAL_FRACTION * n))
+        val, train = np.arange(n_val), np.arange(n_val, n)
+        return LocalData(train=_tensors(images, labels, train), val=_tensors(images, labels, val))
+
+    def example_losses(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-example cross-entropy. ``train`` is plain minibatch SGD on its mean, so the
+        simulator may train many clients at once (see flotilla.simulation.training)."""
+        return nn.functional.cross_entropy(outputs, targets, reduction="none")
 
     def load_path(self, path: Path, data: DataSection) -> LocalData:
         """A device's own digits from ``--data FILE.npz``: ``x`` (N, 64) in [0, 1], ``y`` (N,)."""

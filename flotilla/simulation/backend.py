@@ -1,0 +1,249 @@
+"""The virtual fleet as the engine's :class:`~flotilla.engine.Backend`.
+
+A dispatched round trains its devices at once (wall time, no simulated time), then each
+result arrives when the device would have finished: compute (samples x epochs x cost per
+sample / speed) + download and upload (bytes / bandwidth) + latency each way, on the
+virtual clock. A device that drops out mid-round, or whose online session ends first,
+never reports; the engine hears of it ``dropout_detect_s`` later, as a real server hears
+of a silent agent at its liveness timeout. Updates go through the device-side pipeline
+of a real agent (update momentum, the uplink codec with error feedback) and the server's
+decode, so compression behaves as on real devices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flotilla.client.training import RoundConfig, decode_model
+from flotilla.compression import (
+    CodecContext,
+    ErrorFeedback,
+    decode_state_with,
+    encode_state_with,
+    make_codec,
+)
+from flotilla.core.tensors import ModelState, TensorSpec, encode_state
+from flotilla.core.update import Update
+from flotilla.engine.backend import Delivered, Failed, RoundResult, TrainTask
+from flotilla.engine.ports import Blobs
+from flotilla.scheduling import DevicePool
+from flotilla.simulation.fleet import Fleet
+from flotilla.simulation.population import PopulationSection
+from flotilla.simulation.training import ClientTrainer
+
+
+@dataclass(slots=True)
+class _Round:
+    task: TrainTask
+    pending: set[str]
+    results: asyncio.Queue[RoundResult] = field(default_factory=asyncio.Queue)
+    closed: bool = False
+
+
+class _Stream:
+    """The engine's view of one round; closing it makes later arrivals stale."""
+
+    def __init__(self, backend: SimBackend, rnd: _Round) -> None:
+        self._backend = backend
+        self._rnd = rnd
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> RoundResult:
+        rnd = self._rnd
+        if not rnd.closed and (rnd.pending or not rnd.results.empty()):
+            return await rnd.results.get()
+        await self.aclose()
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        rnd = self._rnd
+        rnd.closed = True
+        while not rnd.results.empty():
+            result = rnd.results.get_nowait()
+            if isinstance(result, Delivered):
+                result.settle("stale: the round closed before this update was aggregated")
+
+
+class UpdatePipeline:
+    """What a real agent does to its delta before upload, and the server's decode after.
+
+    Per-client state (update momentum, error-feedback residuals) is kept per job.
+    """
+
+    def __init__(self, config: RoundConfig, layout: tuple[TensorSpec, ...], seed: int) -> None:
+        spec = config.compression
+        self.codec = make_codec(spec.uplink, spec.uplink_params)
+        self.error_feedback = spec.error_feedback
+        self.momentum = config.train.update_momentum
+        self.layout = layout
+        self._rng = np.random.default_rng([seed % 2**32, 3])
+        self._feedback: dict[int, ErrorFeedback] = {}
+        self._velocity: dict[int, ModelState] = {}
+        self._plain_bytes: int | None = None
+
+    def __call__(self, client: int, delta: ModelState) -> tuple[ModelState, int]:
+        """The delta as the server decodes it, and the bytes it took on the uplink."""
+        if self.momentum > 0:
+            delta = self._smooth(client, delta)
+        if self.codec.name == "none":
+            if self._plain_bytes is None:  # a plain payload's size depends on the layout only
+                self._plain_bytes = len(encode_state(delta))
+            return delta, self._plain_bytes
+        feedback = None
+        if self.error_feedback:
+            feedback = self._feedback.setdefault(client, ErrorFeedback(f"client-{client}"))
+        ctx = CodecContext.seeded(int(self._rng.integers(2**63)))
+        payload = encode_state_with(self.codec, delta, ctx, feedback)
+        decoded = decode_state_with(payload, self.layout, len(payload), codec=self.codec)
+        return decoded, len(payload)
+
+    def _smooth(self, client: int, delta: ModelState) -> ModelState:
+        beta = self.momentum
+        previous = self._velocity.get(client)
+        if previous is None:
+            smoothed = {k: np.asarray((1.0 - beta) * v, dtype=np.float32) for k, v in delta.items()}
+        else:
+            smoothed = {
+                k: np.asarray(beta * previous[k] + (1.0 - beta) * v, dtype=np.float32)
+                for k, v in delta.items()
+            }
+        self._velocity[client] = smoothed
+        return smoothed
+
+
+@dataclass(slots=True)
+class _JobContext:
+    config: RoundConfig
+    pipeline: UpdatePipeline
+
+
+class SimBackend:
+    """Rounds on virtual devices, timed by the virtual clock (see the module doc)."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        pool: DevicePool,
+        blobs: Blobs,
+        trainers: dict[str, ClientTrainer],
+        population: PopulationSection,
+        seed: int,
+    ) -> None:
+        self.fleet = fleet
+        self.pool = pool
+        self.blobs = blobs
+        self.trainers = trainers
+        self.population = population
+        self._rng = np.random.default_rng([seed % 2**32, 2])
+        self._seed = seed
+        self._jobs: dict[str, _JobContext] = {}
+        self._model: tuple[str, ModelState] | None = None
+        #: The broadcast each device last received, for downlink-delta byte counts.
+        self._held: dict[str, str] = {}
+        #: Devices that dropped out, per (job, round).
+        self.dropouts: Counter[tuple[str, int]] = Counter()
+
+    def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> AsyncIterator[RoundResult]:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        job = self._job(task)
+        config = job.config
+        rnd = _Round(task, set(device_ids))
+        trainer = self.trainers[task.task]
+        shards = trainer.shards
+        pop = self.population
+        survivors = []
+        for device_id in device_ids:
+            device = self.fleet.devices[device_id]
+            samples = shards.get(config.data, device.index).num_train
+            down = self._download_bytes(device_id, task)
+            guess = device.round_seconds(
+                samples, config.train.local_epochs, pop.seconds_per_sample, down, down
+            )
+            drop_at = math.inf
+            if self._rng.random() < pop.dropout:
+                drop_at = now + self._rng.random() * guess
+            drop_at = min(drop_at, self.fleet.online_until(device_id))
+            if drop_at < now + guess:
+                self.dropouts[(task.job_id, task.round)] += 1
+                loop.call_at(
+                    drop_at + pop.dropout_detect_s, self._fail, rnd, device_id, "dropped out"
+                )
+            else:
+                survivors.append((device_id, device, down))
+        if survivors:
+            model = self._global(task, config)
+            results = trainer.train(
+                model,
+                [device.index for _, device, _ in survivors],
+                config.train,
+                config.data,
+                task.seed,
+            )
+            for (device_id, device, down), result in zip(survivors, results, strict=True):
+                delta, up = job.pipeline(device.index, result.delta)
+                seconds = device.round_seconds(
+                    result.num_samples, config.train.local_epochs, pop.seconds_per_sample,
+                    down, up,
+                )  # fmt: skip
+                update = Update(
+                    task.job_id,
+                    task.round,
+                    device_id,
+                    result.num_samples,
+                    delta,
+                    {**result.metrics, "bytes_up": float(up), "bytes_down": float(down)},
+                )
+                loop.call_at(now + seconds, self._arrive, rnd, update, seconds)
+        return _Stream(self, rnd)
+
+    def _job(self, task: TrainTask) -> _JobContext:
+        job = self._jobs.get(task.job_id)
+        if job is None:
+            config = RoundConfig.from_json(task.config_json)
+            seed = self._seed * 7919 + len(self._jobs)
+            job = _JobContext(config, UpdatePipeline(config, task.layout, seed))
+            self._jobs[task.job_id] = job
+        return job
+
+    def _global(self, task: TrainTask, config: RoundConfig) -> ModelState:
+        """The model devices train from: the broadcast as they decode it."""
+        if self._model is None or self._model[0] != task.model_sha256:
+            state = decode_model(self.blobs.get(task.model_sha256), config)
+            self._model = (task.model_sha256, state)
+        return self._model[1]
+
+    def _download_bytes(self, device_id: str, task: TrainTask) -> int:
+        held = self._held.get(device_id)
+        self._held[device_id] = task.model_sha256
+        if task.delta_sha256 and held == task.delta_base_sha256:
+            return task.delta_size
+        return task.model_size
+
+    def _arrive(self, rnd: _Round, update: Update, seconds: float) -> None:
+        device_id, job_id = update.device_id, rnd.task.job_id
+        rnd.pending.discard(device_id)
+        if rnd.closed:
+            self.pool.release(device_id, job_id)  # stale: it is free to serve again
+            return
+
+        def settle(reason: str | None) -> None:
+            # Accepted or refused, the device is done with this round.
+            self.pool.release(device_id, job_id)
+
+        rnd.results.put_nowait(Delivered(update, seconds, settle))
+
+    def _fail(self, rnd: _Round, device_id: str, reason: str) -> None:
+        rnd.pending.discard(device_id)
+        self._held.pop(device_id, None)
+        self.pool.release(device_id, rnd.task.job_id)
+        if not rnd.closed:
+            rnd.results.put_nowait(Failed(device_id, reason))

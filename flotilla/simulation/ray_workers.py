@@ -1,0 +1,148 @@
+"""Training workers as Ray actors, for users who outgrow one machine (``--backend ray``).
+
+With ``RAY_ADDRESS`` set, the simulator joins that cluster. Otherwise it starts a private
+single-node Ray whose every listener is on the loopback interface: Ray binds to the
+machine's own address unless told ``127.0.0.1`` as its node address, and a simulation on
+a laptop has no business opening ports to the network. One actor per ``--devices``
+entry holds the task, its clients' data and a trainer, exactly like a local worker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from flotilla.core.errors import FlotillaError
+from flotilla.core.spec import DataSection, TrainSection
+from flotilla.core.tensors import ModelState
+from flotilla.simulation.training import ClientResult, ShardCache, make_trainer
+from flotilla.simulation.workers import ROUND_TIMEOUT_S, START_TIMEOUT_S, split_evenly
+
+LOOPBACK = "127.0.0.1"
+#: Ray's switch between "cluster node" (bind the machine's address) and a local-only node.
+SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+class _TrainerActor:
+    def __init__(self, task_name: str, count: int, device: str, batched: bool | None) -> None:
+        from flotilla.tasks import load_task
+
+        task = load_task(task_name)
+        self._trainer = make_trainer(task, ShardCache(task, count), device, batched)
+
+    def kind(self) -> str:
+        return type(self._trainer).__name__
+
+    def train(
+        self,
+        global_state: ModelState,
+        clients: list[int],
+        train: TrainSection,
+        data: DataSection,
+        seed: int,
+    ) -> list[tuple[int, dict[str, float], ModelState]]:
+        results = self._trainer.train(global_state, clients, train, data, seed)
+        return [(r.num_samples, r.metrics, r.delta) for r in results]
+
+
+def start_ray(num_cpus: int | None = None) -> bool:
+    """Join ``RAY_ADDRESS``, or start a loopback-only local Ray; True when we started it."""
+    # Ray resolves "127.0.0.1" to the machine's own address unless, when it is imported,
+    # this says the node is not part of a cluster; its processes inherit the setting.
+    saved = os.environ.get(SINGLE_NODE_ENV)
+    os.environ[SINGLE_NODE_ENV] = "0"
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return False
+        common: dict[str, Any] = {
+            "include_dashboard": False,
+            "log_to_driver": False,
+            "configure_logging": False,
+        }
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(**common)
+            return False
+        ray.init(_node_ip_address=LOOPBACK, num_cpus=num_cpus, **common)
+    finally:
+        if saved is None:
+            del os.environ[SINGLE_NODE_ENV]
+        else:
+            os.environ[SINGLE_NODE_ENV] = saved
+    address = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    if address != LOOPBACK:
+        ray.shutdown()
+        raise FlotillaError(
+            f"local Ray came up on {address}, not loopback: Ray was imported before "
+            f"flotilla could configure it; set {SINGLE_NODE_ENV}=0 in the environment"
+        )
+    return True
+
+
+class RayTrainer:
+    """A :class:`ClientTrainer` whose clients train in Ray actors, one per device."""
+
+    def __init__(
+        self,
+        task_name: str,
+        shards: ShardCache,
+        devices: Sequence[str],
+        batched: bool | None = None,
+    ) -> None:
+        import ray
+
+        if not devices:
+            raise FlotillaError("Ray training needs at least one device")
+        self.shards = shards
+        self._started = start_ray()
+        actor: Any = ray.remote(_TrainerActor)
+        self._actors: list[Any] = []
+        for device in devices:
+            gpus = 1 if device.startswith("cuda") else 0
+            self._actors.append(
+                actor.options(num_cpus=1, num_gpus=gpus).remote(
+                    task_name, shards.count, "cuda:0" if gpus else device, batched
+                )
+            )
+        try:
+            self.kind = set(
+                ray.get([a.kind.remote() for a in self._actors], timeout=START_TIMEOUT_S)
+            )
+        except Exception as exc:
+            self.close()
+            raise FlotillaError(f"Ray training actors did not start: {exc}") from exc
+
+    def train(
+        self,
+        global_state: ModelState,
+        clients: Sequence[int],
+        train: TrainSection,
+        data: DataSection,
+        seed: int,
+    ) -> list[ClientResult]:
+        import ray
+
+        model = ray.put(global_state)
+        calls = [
+            actor.train.remote(model, part, train, data, seed)
+            for actor, part in zip(
+                self._actors, split_evenly(list(clients), len(self._actors)), strict=True
+            )
+            if part
+        ]
+        out: list[ClientResult] = []
+        for results in ray.get(calls, timeout=ROUND_TIMEOUT_S):
+            out += [ClientResult(n, m, d) for n, m, d in results]
+        return out
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self._actors:
+            ray.kill(actor)
+        self._actors.clear()
+        if self._started:
+            ray.shutdown()
+            self._started = False

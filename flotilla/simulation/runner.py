@@ -1,0 +1,350 @@
+"""``flotilla simulate``: an experiment's jobs on the real engine over a virtual fleet.
+
+Each job is a real :class:`~flotilla.engine.JobRunner` with the real selector, aggregator
+and codecs; the backend is :class:`SimBackend`, the clock the virtual event loop's. Every
+committed round becomes a line of ``metrics.jsonl``; the end writes ``summary.json``,
+each job's final model and plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from flotilla.core.blobstore import BlobStore
+from flotilla.core.errors import SpecError
+from flotilla.core.records import JobRecord, RoundCommit
+from flotilla.core.spec import JobSpec
+from flotilla.engine import EngineConfig, JobRunner, initial_model, server_evaluator
+from flotilla.scheduling import DevicePool, RandomSelector
+from flotilla.simulation.backend import SimBackend
+from flotilla.simulation.clock import run_simulated
+from flotilla.simulation.experiment import Experiment
+from flotilla.simulation.fleet import Fleet
+from flotilla.simulation.population import draw_devices
+from flotilla.simulation.training import ClientTrainer, ShardCache, make_trainer
+from flotilla.simulation.workers import WorkerPoolTrainer
+
+log = logging.getLogger(__name__)
+
+#: Engine pacing in simulated seconds: polling for idle devices costs wall time per poll.
+SIM_ENGINE = EngineConfig(selection_grace_s=2.0, retry_pause_s=1.0, idle_poll_s=1.0)
+
+
+class SimLedger:
+    """The engine's ledger for a simulation: job rows in memory, rounds to metrics.jsonl."""
+
+    def __init__(
+        self,
+        out: IO[str],
+        participation: IO[str],
+        backend: SimBackend,
+        wall_start: float,
+        progress: Any = None,
+    ) -> None:
+        self.jobs: dict[str, JobRecord] = {}
+        self.history: dict[str, list[dict[str, Any]]] = {}
+        self._out = out
+        self._participation = participation
+        self._backend = backend
+        self._wall_start = wall_start
+        self._progress = progress
+
+    def add(self, job: JobRecord) -> None:
+        self.jobs[job.id] = job
+        self.history[job.id] = []
+
+    async def commit_round(self, commit: RoundCommit) -> JobRecord:
+        job = dataclasses.replace(
+            self.jobs[commit.job_id],
+            rounds_committed=commit.round,
+            checkpoint_sha256=commit.checkpoint_sha256,
+            aggregator_sha256=commit.aggregator_sha256,
+            metrics=dict(commit.metrics),
+            updated_at=commit.committed_at,
+        )
+        if job.rounds_committed >= job.rounds_total:
+            job = dataclasses.replace(job, state="completed")
+        self.jobs[job.id] = job
+        row = {
+            "job": job.name,
+            "job_id": job.id,
+            "round": commit.round,
+            "simulated_time": commit.committed_at,
+            "round_seconds": commit.committed_at - commit.started_at,
+            **commit.metrics,
+            "participants": len(commit.participants),
+            "dropouts": self._backend.dropouts.get((job.id, commit.round), 0),
+            "wall_seconds": time.perf_counter() - self._wall_start,
+        }
+        self.history[job.id].append(row)
+        self._out.write(json.dumps(row, sort_keys=True) + "\n")
+        self._out.flush()
+        for p in commit.participants:
+            self._participation.write(
+                json.dumps(
+                    {
+                        "job": job.name,
+                        "round": commit.round,
+                        "device": p.device_id,
+                        "num_samples": p.num_samples,
+                        "started_at": p.started_at,
+                        "finished_at": p.finished_at,
+                        "bytes_up": p.metrics.get("bytes_up", 0.0),
+                        "bytes_down": p.metrics.get("bytes_down", 0.0),
+                    },
+                    sort_keys=True,
+                )
+                + "\n"
+            )
+        if self._progress is not None:
+            accuracy = commit.metrics.get("accuracy")
+            self._progress.set_postfix(
+                sim=format_duration(commit.committed_at),
+                acc="-" if accuracy is None else f"{accuracy:.3f}",
+                refresh=False,
+            )
+            self._progress.update(1)
+        return job
+
+    async def set_job_state(self, job_id: str, state: str) -> JobRecord:
+        job = dataclasses.replace(self.jobs[job_id], state=state)
+        self.jobs[job_id] = job
+        return job
+
+
+def run_experiment(
+    experiment: Experiment,
+    out_dir: Path,
+    devices: Sequence[str] = ("cpu",),
+    backend: str = "local",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every job of ``experiment`` to the end; returns what ``summary.json`` holds.
+
+    ``devices``: where clients train (one worker process per device when there are
+    several); ``backend``: ``local`` or ``ray`` (workers as Ray actors).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wall_start = time.perf_counter()
+    trainers = _trainers(experiment, list(devices), backend)
+    try:
+        with tempfile.TemporaryDirectory(prefix="flotilla-sim-") as scratch:
+            summary = run_simulated(
+                _simulate(experiment, out_dir, Path(scratch), trainers, progress, wall_start)
+            )
+    finally:
+        for trainer in trainers.values():
+            close = getattr(trainer, "close", None)
+            if close is not None:
+                close()
+    summary["wall_seconds"] = time.perf_counter() - wall_start
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
+
+
+async def _simulate(
+    experiment: Experiment,
+    out_dir: Path,
+    scratch: Path,
+    trainers: dict[str, ClientTrainer],
+    progress: bool,
+    wall_start: float,
+) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    pop = experiment.population
+    seed = experiment.population_seed
+    pool = DevicePool(clock=loop.time)
+    tasks = tuple(sorted({spec.job.task for spec in experiment.jobs}))
+    fleet = Fleet(draw_devices(pop, seed), tasks, pop.availability, seed, pool)
+    blobs = BlobStore(scratch / "blobs")
+    backend = SimBackend(fleet, pool, blobs, trainers, pop, experiment.seed)
+    bar = _progress_bar(sum(s.job.rounds for s in experiment.jobs), progress)
+    with (
+        (out_dir / "metrics.jsonl").open("w") as out,
+        (out_dir / "participation.jsonl").open("w") as participation,
+    ):
+        ledger = SimLedger(out, participation, backend, wall_start, bar)
+        runners = [
+            _runner(i, spec, backend, pool, ledger, blobs, scratch, experiment.seed, loop.time)
+            for i, spec in enumerate(experiment.jobs)
+        ]
+        fleet.start()
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(r.run() for r in runners)),
+                timeout=experiment.simulation.max_simulated_s,
+            )
+        except asyncio.TimeoutError:
+            log.warning(
+                "stopped at the time limit (%.0f simulated seconds)",
+                experiment.simulation.max_simulated_s,
+            )
+        finally:
+            fleet.stop()
+            if bar is not None:
+                bar.close()
+    models = out_dir / "models"
+    models.mkdir(exist_ok=True)
+    summary_jobs: dict[str, dict[str, Any]] = {}
+    for runner in runners:
+        job = ledger.jobs[runner.job.id]
+        (models / f"{job.name}.safetensors").write_bytes(blobs.get(job.checkpoint_sha256))
+        history = ledger.history[job.id]
+        summary_jobs[job.name] = {
+            "state": job.state,
+            "rounds": job.rounds_committed,
+            "final_metrics": dict(job.metrics),
+            "simulated_seconds": history[-1]["simulated_time"] if history else 0.0,
+        }
+    _plot(ledger, out_dir)
+    finals = [j["final_metrics"] for j in summary_jobs.values()]
+    overall = (
+        {
+            key: sum(f[key] for f in finals) / len(finals)
+            for key in set.intersection(*(set(f) for f in finals))
+        }
+        if finals and all(finals)
+        else {}
+    )
+    return {
+        "jobs": summary_jobs,
+        "final_metrics": overall,
+        "rounds": sum(j["rounds"] for j in summary_jobs.values()),
+        "simulated_seconds": max(
+            (j["simulated_seconds"] for j in summary_jobs.values()), default=0.0
+        ),
+        "clients": pop.clients,
+        "seed": experiment.seed,
+        "trainer": {name: _describe(t) for name, t in trainers.items()},
+    }
+
+
+def _trainers(experiment: Experiment, devices: list[str], backend: str) -> dict[str, ClientTrainer]:
+    """One trainer per task: in this process on one device, else one worker per device."""
+    from flotilla.tasks import load_task
+
+    if backend not in ("local", "ray"):
+        raise SpecError(f"--backend must be local or ray, got {backend!r}")
+    if not devices:
+        raise SpecError("--devices names no device")
+    choice = experiment.simulation.trainer
+    batched = None if choice == "auto" else choice == "batched"
+    clients = experiment.population.clients
+    trainers: dict[str, ClientTrainer] = {}
+    try:
+        for name in sorted({spec.job.task for spec in experiment.jobs}):
+            task = load_task(name)
+            shards = ShardCache(task, clients)
+            if backend == "ray":
+                from flotilla.simulation.ray_workers import RayTrainer
+
+                trainers[name] = RayTrainer(name, shards, devices, batched)
+            elif len(devices) > 1:
+                trainers[name] = WorkerPoolTrainer(task, name, shards, devices, batched)
+            else:
+                trainers[name] = make_trainer(task, shards, devices[0], batched)
+    except BaseException:
+        for trainer in trainers.values():
+            getattr(trainer, "close", lambda: None)()
+        raise
+    return trainers
+
+
+def _describe(trainer: ClientTrainer) -> str:
+    kind = getattr(trainer, "kind", None)
+    name = type(trainer).__name__
+    return f"{name}({', '.join(sorted(kind))})" if kind else name
+
+
+def _runner(
+    index: int,
+    spec: JobSpec,
+    backend: SimBackend,
+    pool: DevicePool,
+    ledger: SimLedger,
+    blobs: BlobStore,
+    scratch: Path,
+    seed: int,
+    clock: Any,
+) -> JobRunner:
+    sha = blobs.put(initial_model(spec))
+    job = JobRecord(
+        id=f"job-{index}",
+        name=spec.job.name,
+        spec_json=spec.to_json(),
+        state="pending",
+        rounds_total=spec.job.rounds,
+        rounds_committed=0,
+        checkpoint_sha256=sha,
+        created_at=clock(),
+        updated_at=clock(),
+    )
+    ledger.add(job)
+    return JobRunner(
+        job=job,
+        spec=spec,
+        backend=backend,
+        pool=pool,
+        selector=RandomSelector(random.Random(seed * 1_000_003 + index)),
+        ledger=ledger,
+        blobs=blobs,
+        evaluator=server_evaluator(spec),
+        clock=clock,
+        config=SIM_ENGINE,
+        spool_dir=scratch / "spool" / job.id,
+    )
+
+
+def format_duration(seconds: float) -> str:
+    """Simulated time for people: 42.0s, 12.5min, 3.20h, 2.1d."""
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}min"
+    if seconds < 172_800:
+        return f"{seconds / 3600:.2f}h"
+    return f"{seconds / 86_400:.1f}d"
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="simulate", unit="round", dynamic_ncols=True)
+
+
+def _plot(ledger: SimLedger, out_dir: Path) -> None:
+    """Accuracy against simulated time and against round, one line per job."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for x_key, x_label, name in (
+        ("simulated_time", "simulated time (h)", "accuracy_vs_time.png"),
+        ("round", "round", "accuracy_vs_round.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for job_id, rows in ledger.history.items():
+            points = [(r[x_key], r["accuracy"]) for r in rows if "accuracy" in r]
+            if not points:
+                continue
+            xs = [x / 3600 if x_key == "simulated_time" else x for x, _ in points]
+            ax.plot(xs, [y for _, y in points], marker=".", label=ledger.jobs[job_id].name)
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("held-out accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)

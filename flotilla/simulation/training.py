@@ -1,0 +1,322 @@
+"""Local training of many virtual clients: vectorized where the task allows, else a loop.
+
+A task is *batchable* when it has ``example_losses(outputs, targets)`` (per-example loss,
+no reduction) and a model without buffers: it then promises that its ``train`` is plain
+minibatch SGD on that loss (momentum, weight decay, FedProx term; batches in the order of
+``torch.randperm(n, generator=torch.Generator().manual_seed(seed))`` each epoch) and that
+it is a classifier (``evaluate`` reports ``accuracy`` and mean ``loss``). Such clients train
+in groups as one computation (``torch.func.functional_call`` under ``vmap``), each client
+with its own parameters, optimizer state and batch order; a client with fewer samples
+has its missing examples masked out, never padded with fake data. Both paths give the
+same parameters (to float rounding) and the same metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from flotilla.core.spec import DataSection, TrainSection
+from flotilla.core.tensors import ModelState
+
+#: Memory a batched group may use on a CPU; a CUDA device uses half of what is free.
+CPU_GROUP_BYTES = 2 * 1024**3
+
+
+@dataclass(slots=True)
+class ClientResult:
+    num_samples: int
+    metrics: dict[str, float]
+    #: Local model minus the global one, float32.
+    delta: ModelState
+
+
+class ClientTrainer(Protocol):
+    """Trains the given clients from one global model; results in the order given."""
+
+    shards: ShardCache
+
+    def train(
+        self,
+        global_state: ModelState,
+        clients: Sequence[int],
+        train: TrainSection,
+        data: DataSection,
+        seed: int,
+    ) -> list[ClientResult]: ...
+
+
+class ShardCache:
+    """Each client's data, loaded once: client ``i`` of ``count`` holds shard ``i/count``."""
+
+    def __init__(self, task: Any, count: int) -> None:
+        self.task = task
+        self.count = count
+        self._shards: dict[tuple[str, int], Any] = {}
+
+    def get(self, data: DataSection, client: int) -> Any:
+        from flotilla.tasks import Shard
+
+        key = (data.key(), client)
+        shard = self._shards.get(key)
+        if shard is None:
+            shard = self.task.load_shard(Shard(client, self.count), data)
+            self._shards[key] = shard
+        return shard
+
+
+def is_batchable(task: Any) -> bool:
+    if not callable(getattr(task, "example_losses", None)):
+        return False
+    model = task.build_model(0)
+    return not any(True for _ in model.buffers())
+
+
+class LoopTrainer:
+    """One client after another through the task's own ``train``, on one reused model."""
+
+    def __init__(self, task: Any, shards: ShardCache) -> None:
+        self.task = task
+        self.shards = shards
+        self._model: Any = None
+
+    def train(
+        self,
+        global_state: ModelState,
+        clients: Sequence[int],
+        train: TrainSection,
+        data: DataSection,
+        seed: int,
+    ) -> list[ClientResult]:
+        from flotilla.tasks import load_model_state, model_state
+
+        if self._model is None:
+            self._model = self.task.build_model(0)
+        model = self._model
+        out = []
+        for client in clients:
+            local = self.shards.get(data, client)
+            load_model_state(model, global_state)
+            num_samples, metrics = self.task.train(model, local, train, seed)
+            metrics = {**metrics, **self.task.evaluate(model, local.val)}
+            state = model_state(model)
+            delta = {k: state[k] - np.asarray(global_state[k]) for k in global_state}
+            out.append(ClientResult(int(num_samples), _floats(metrics), delta))
+        return out
+
+
+class BatchedTrainer:
+    """Clients in groups, each group one vectorized computation (see the module doc)."""
+
+    def __init__(
+        self, task: Any, shards: ShardCache, device: str = "cpu", group_bytes: int | None = None
+    ) -> None:
+        import torch
+
+        self.task = task
+        self.shards = shards
+        self.device = torch.device(device)
+        self._model = task.build_model(0).to(self.device)
+        self._group_bytes = group_bytes
+
+    def group_size(self, train: TrainSection, params: int, features: int) -> int:
+        """Clients per group: what fits the memory budget (parameters, gradients, momentum,
+        a temporary per parameter, and a batch of activations per client)."""
+        import torch
+
+        budget = self._group_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = free // 2
+            else:
+                budget = CPU_GROUP_BYTES
+        per_client = 4 * (5 * params + 8 * train.batch_size * max(features, 1))
+        return max(1, int(budget // per_client))
+
+    def train(
+        self,
+        global_state: ModelState,
+        clients: Sequence[int],
+        train: TrainSection,
+        data: DataSection,
+        seed: int,
+    ) -> list[ClientResult]:
+        if not clients:
+            return []
+        locals_ = [self.shards.get(data, c) for c in clients]
+        params = sum(int(np.prod(v.shape)) for v in global_state.values())
+        features = int(np.prod(locals_[0].train[0].shape[1:]))
+        size = self.group_size(train, params, features)
+        out: list[ClientResult] = []
+        for start in range(0, len(locals_), size):
+            out += self._group(global_state, locals_[start : start + size], train, seed)
+        return out
+
+    def _group(
+        self, global_state: ModelState, locals_: list[Any], cfg: TrainSection, seed: int
+    ) -> list[ClientResult]:
+        import torch
+        from torch.func import functional_call, grad, vmap
+
+        dev = self.device
+        model = self._model
+        count = len(locals_)
+        x_train, y_train, counts = _stack([d.train for d in locals_], dev)
+        index, mask = _schedule(counts, cfg.batch_size, cfg.local_epochs, seed, dev)
+        names = list(global_state)
+        base = {
+            n: torch.from_numpy(np.array(global_state[n], dtype=np.float32)).to(dev) for n in names
+        }
+        params = {n: base[n].unsqueeze(0).repeat(count, *([1] * base[n].dim())) for n in names}
+        bufs: dict[str, torch.Tensor] = {}
+        mu = cfg.proximal_mu
+        losses_of = self.task.example_losses
+
+        def loss_fn(
+            p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, m: torch.Tensor
+        ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+            out = functional_call(model, p, (x,))
+            seen = m.sum()
+            loss = (losses_of(out, y) * m).sum() / seen.clamp(min=1.0)
+            if mu > 0:
+                prox = sum(((p[n] - base[n]) ** 2).sum() for n in names)
+                loss = loss + 0.5 * mu * prox
+            correct = ((out.argmax(dim=-1) == y).float() * m).sum()
+            return loss, (loss.detach() * seen, correct)
+
+        step = vmap(grad(loss_fn, has_aux=True))
+        rows = torch.arange(count, device=dev).unsqueeze(1)
+        loss_sum = torch.zeros(count, device=dev)
+        correct = torch.zeros(count, device=dev)
+        lr, momentum, decay = cfg.learning_rate, cfg.momentum, cfg.weight_decay
+        for t in range(index.shape[1]):
+            idx, m = index[:, t], mask[:, t]
+            grads, (batch_loss, batch_correct) = step(
+                params, x_train[rows, idx], y_train[rows, idx], m
+            )
+            loss_sum += batch_loss
+            correct += batch_correct
+            active = m.sum(dim=1) > 0
+            # Every client with data takes its first batch at t = 0 and drops out for good
+            # once it has none left: the active set only shrinks. When it is everyone,
+            # update in place; else only the active rows (torch.optim.SGD's arithmetic).
+            rows_on = None if bool(active.all()) else active.nonzero().squeeze(1)
+            for n in names:
+                p, g = params[n], grads[n]
+                if rows_on is not None:
+                    p, g = p[rows_on], g[rows_on]
+                if decay:
+                    g.add_(p, alpha=decay)
+                if momentum:
+                    if t == 0:
+                        buf = g
+                    else:
+                        buf = bufs[n] if rows_on is None else bufs[n][rows_on]
+                        buf.mul_(momentum).add_(g)
+                    g = buf
+                p.add_(g, alpha=-lr)
+                if rows_on is None:
+                    if momentum:
+                        bufs[n] = buf
+                    continue
+                params[n][rows_on] = p
+                if momentum:
+                    if t == 0:
+                        bufs[n] = torch.zeros_like(params[n])
+                    bufs[n][rows_on] = buf
+        seen = counts.clamp(min=1).float() * cfg.local_epochs
+        metrics = {"train_loss": loss_sum / seen, "train_accuracy": correct / seen}
+        metrics.update(self._evaluate(params, [d.val for d in locals_]))
+        deltas = {n: (params[n] - base[n]).cpu().numpy() for n in names}
+        columns = {k: v.cpu().numpy() for k, v in metrics.items()}
+        return [
+            ClientResult(
+                int(counts[i]),
+                {k: float(v[i]) for k, v in columns.items()},
+                {n: deltas[n][i] for n in names},
+            )
+            for i in range(count)
+        ]
+
+    def _evaluate(self, params: dict[str, Any], vals: list[Any]) -> dict[str, Any]:
+        import torch
+        from torch.func import functional_call, vmap
+
+        x, y, counts = _stack(vals, self.device)
+        mask = (
+            torch.arange(x.shape[1], device=self.device).unsqueeze(0) < counts.unsqueeze(1)
+        ).float()
+        losses_of, model = self.task.example_losses, self._model
+
+        def score(
+            p: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor, m: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            out = functional_call(model, p, (xs,))
+            seen = m.sum().clamp(min=1.0)
+            loss = (losses_of(out, ys) * m).sum() / seen
+            acc = ((out.argmax(dim=-1) == ys).float() * m).sum() / seen
+            return loss, acc
+
+        with torch.no_grad():
+            loss, acc = vmap(score)(params, x, y, mask)
+        return {"loss": loss, "accuracy": acc, "num_samples": counts.float()}
+
+
+def _stack(parts: list[Any], device: Any) -> tuple[Any, Any, Any]:
+    """Inputs and labels of many clients, padded to the longest: (C, n_max, ...)."""
+    import torch
+
+    counts = torch.tensor([int(y.shape[0]) for _, y in parts], dtype=torch.long)
+    longest = max(1, int(counts.max()))
+    x0 = parts[0][0]
+    xs = torch.zeros((len(parts), longest, *x0.shape[1:]), dtype=x0.dtype)
+    ys = torch.zeros((len(parts), longest), dtype=parts[0][1].dtype)
+    for i, (x, y) in enumerate(parts):
+        xs[i, : len(y)] = x
+        ys[i, : len(y)] = y
+    return xs.to(device), ys.to(device), counts.to(device)
+
+
+def _schedule(counts: Any, batch: int, epochs: int, seed: int, device: Any) -> tuple[Any, Any]:
+    """Each client's batches in the order its own ``train`` would take them.
+
+    ``index[c, t]`` holds the positions of client c's t-th batch (padded with 0),
+    ``mask[c, t]`` which of them are real; a client out of batches has an all-zero row.
+    """
+    import torch
+
+    sizes = counts.cpu().tolist()
+    steps = [epochs * math.ceil(n / batch) for n in sizes]
+    total = max(steps) if steps else 0
+    index = torch.zeros((len(sizes), total, batch), dtype=torch.long)
+    mask = torch.zeros((len(sizes), total, batch), dtype=torch.float32)
+    for c, n in enumerate(sizes):
+        gen = torch.Generator().manual_seed(seed)
+        t = 0
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=gen)
+            for start in range(0, n, batch):
+                piece = order[start : start + batch]
+                index[c, t, : len(piece)] = piece
+                mask[c, t, : len(piece)] = 1.0
+                t += 1
+    return index.to(device), mask.to(device)
+
+
+def _floats(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def make_trainer(
+    task: Any, shards: ShardCache, device: str = "cpu", batched: bool | None = None
+) -> ClientTrainer:
+    """The batched trainer when the task allows it (or ``batched`` says so), else the loop."""
+    use_batched = is_batchable(task) if batched is None else batched
+    if use_batched:
+        return BatchedTrainer(task, shards, device)
+    return LoopTrainer(task, shards)

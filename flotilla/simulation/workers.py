@@ -1,0 +1,134 @@
+"""Training spread over several devices: one worker process per device.
+
+Each worker owns a task, its clients' data and a trainer on its device (``cuda:1``, or
+``cpu``); a round's clients are cut into contiguous slices, one per worker, and the
+results come back in the clients' order. Messages travel over local pipes between this
+process and workers it started itself, never over a network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from flotilla.core.errors import FlotillaError
+from flotilla.core.spec import DataSection, TrainSection
+from flotilla.core.tensors import ModelState
+from flotilla.simulation.training import ClientResult, ShardCache, make_trainer
+
+#: Seconds a worker may take to start (import torch, build the task) and per round.
+START_TIMEOUT_S = 120.0
+ROUND_TIMEOUT_S = 3600.0
+
+
+def _serve(conn: Connection, task_name: str, count: int, device: str, batched: bool | None,
+           threads: int) -> None:  # fmt: skip
+    import torch
+
+    from flotilla.tasks import load_task
+
+    torch.set_num_threads(threads)
+    task = load_task(task_name)
+    trainer = make_trainer(task, ShardCache(task, count), device, batched)
+    conn.send(("ready", type(trainer).__name__))
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        try:
+            results = trainer.train(*request)
+            conn.send(("ok", [(r.num_samples, r.metrics, r.delta) for r in results]))
+        except Exception as exc:  # reported to the parent, which raises it
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class WorkerPoolTrainer:
+    """A :class:`ClientTrainer` whose clients train in worker processes, one per device."""
+
+    def __init__(
+        self,
+        task: Any,
+        task_name: str,
+        shards: ShardCache,
+        devices: Sequence[str],
+        batched: bool | None = None,
+    ) -> None:
+        if not devices:
+            raise FlotillaError("a worker pool needs at least one device")
+        self.shards = shards
+        self.devices = tuple(devices)
+        ctx = mp.get_context("spawn")
+        cpu_workers = sum(1 for d in devices if not d.startswith("cuda"))
+        threads = max(1, (mp.cpu_count() or 1) // max(cpu_workers, 1))
+        self._workers: list[tuple[Any, Connection]] = []
+        try:
+            for device in devices:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_serve,
+                    args=(child, task_name, shards.count, device, batched, threads),
+                    daemon=True,
+                )
+                proc.start()
+                child.close()
+                self._workers.append((proc, parent))
+            self.kind = {self._expect(conn, START_TIMEOUT_S)[1] for _, conn in self._workers}
+        except BaseException:
+            self.close()
+            raise
+
+    def train(
+        self,
+        global_state: ModelState,
+        clients: Sequence[int],
+        train: TrainSection,
+        data: DataSection,
+        seed: int,
+    ) -> list[ClientResult]:
+        slices = split_evenly(list(clients), len(self._workers))
+        busy = []
+        for (_, conn), part in zip(self._workers, slices, strict=True):
+            if part:
+                conn.send((global_state, part, train, data, seed))
+                busy.append(conn)
+        out: list[ClientResult] = []
+        for conn in busy:
+            _, results = self._expect(conn, ROUND_TIMEOUT_S)
+            out += [ClientResult(n, m, d) for n, m, d in results]
+        return out
+
+    @staticmethod
+    def _expect(conn: Connection, timeout: float) -> tuple[str, Any]:
+        if not conn.poll(timeout):
+            raise FlotillaError(f"a training worker did not answer within {timeout:.0f}s")
+        try:
+            status, payload = conn.recv()
+        except EOFError:
+            raise FlotillaError("a training worker died") from None
+        if status == "error":
+            raise FlotillaError(f"a training worker failed: {payload}")
+        return status, payload
+
+    def close(self) -> None:
+        for proc, conn in self._workers:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                conn.send(None)
+            conn.close()
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self._workers.clear()
+
+
+def split_evenly(items: list[int], parts: int) -> list[list[int]]:
+    """``parts`` contiguous slices whose sizes differ by at most one."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
