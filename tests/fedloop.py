@@ -17,9 +17,9 @@ from flotilla.client.training import LocalTrainer
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import decode_state, encode_state, state_spec
 from flotilla.engine import JobPlan
+from flotilla.engine.evaluation import initial_model, server_evaluator
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.server.agent_service import decode_update
-from flotilla.engine.evaluation import initial_model, server_evaluator
 from flotilla.tasks import Shard
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
-from flotilla.core.errors import IntegrityError, NotFoundError, WireError
 from flotilla.core.blobstore import BlobStore
+from flotilla.core.errors import IntegrityError, NotFoundError, WireError
 
 DATA = os.urandom(10_000)
 SHA = hashlib.sha256(DATA).hexdigest()

@@ -10,11 +10,11 @@ import pytest
 
 from flotilla.client.agent import rebuild_model
 from flotilla.compression import make_codec
+from flotilla.core.blobstore import BlobStore
 from flotilla.core.errors import IntegrityError
 from flotilla.core.tensors import decode_state, encode_state, state_spec
 from flotilla.engine.broadcast import Broadcaster
 from flotilla.proto import flotilla_pb2 as pb
-from flotilla.core.blobstore import BlobStore
 
 
 def _models(n: int) -> list[dict[str, np.ndarray]]:
