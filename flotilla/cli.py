@@ -242,8 +242,9 @@ def _job_parser(commands: Any) -> None:
         return p
 
     submit = add("submit", "submit a job spec (prints the job id last)", _job_submit)
-    submit.add_argument("spec", type=Path)
+    submit.add_argument("spec", type=Path, help="a job spec, or an experiment file (its jobs)")
     submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    submit.add_argument("--job", default=None, help="of an experiment's jobs, only this one")
     listing = add("list", "list jobs", _job_list)
     listing.add_argument("--json", action="store_true")
     status = add("status", "one job's state and metrics", _job_status)
@@ -264,15 +265,22 @@ def _remote(args: argparse.Namespace) -> Any:
 
 
 def _job_submit(args: argparse.Namespace) -> int:
-    from flotilla.core.spec import JobSpec
+    from flotilla.simulation.experiment import job_specs
 
-    spec = JobSpec.load(args.spec, args.set)
+    specs = job_specs(args.spec, args.set)
+    if args.job is not None:
+        specs = tuple(s for s in specs if s.job.name == args.job)
+        if not specs:
+            raise SpecError(f"{args.spec}: no job named {args.job!r}")
 
     async def go() -> int:
+        ids = []
         async with _remote(args) as remote:
-            info = await remote.submit(spec)
-        print(f"submitted {info.name}")
-        print(info.id)
+            for spec in specs:
+                info = await remote.submit(spec)
+                print(f"submitted {info.name}")
+                ids.append(info.id)
+        print("\n".join(ids))
         return 0
 
     return asyncio.run(go())

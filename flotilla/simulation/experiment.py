@@ -66,6 +66,28 @@ class Experiment:
         return self.seed if self.population.seed < 0 else self.population.seed
 
 
+#: Top-level tables that make a TOML file an experiment rather than a plain job spec.
+EXPERIMENT_KEYS = ("population", "simulation", "jobs")
+
+
+def job_specs(path: str | Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, ...]:
+    """The jobs a file describes: its one job, or every job of an experiment file, so the
+    experiment designed in simulation is submitted unchanged to a real server."""
+    raw = _read(Path(path))
+    if any(key in raw for key in EXPERIMENT_KEYS):
+        return load_experiment(path, overrides).jobs
+    return (JobSpec.load(path, overrides),)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise SpecError(f"{path}: no such file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{path}: not valid TOML: {exc}") from exc
+
+
 def load_experiment(
     path: str | Path,
     overrides: Sequence[str] = (),
@@ -74,12 +96,7 @@ def load_experiment(
 ) -> Experiment:
     """Read an experiment file; ``overrides`` are ``section.field=value`` as for jobs."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise SpecError(f"{path}: no such file") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"{path}: not valid TOML: {exc}") from exc
+    raw = _read(path)
     for item in overrides:
         apply_override(raw, item, str(path))
     if clients is not None:

@@ -1,0 +1,452 @@
+"""The simulator: virtual clock, population, batched training, and whole experiments."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flotilla.core.errors import SpecError
+from flotilla.core.spec import DataSection, TrainSection
+from flotilla.simulation import (
+    AvailabilitySection,
+    BatchedTrainer,
+    DeviceClass,
+    LoopTrainer,
+    PopulationSection,
+    ShardCache,
+    SimulationStalled,
+    draw_devices,
+    load_experiment,
+    run_experiment,
+    run_simulated,
+    sessions,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def experiment_file(tmp_path: Path, body: str = "", *, name: str = "exp.toml") -> Path:
+    """A small digits experiment: 60 augmented clients, 10 per round, a few rounds."""
+    text = f"""
+[job]
+name = "small"
+rounds = 4
+clients_per_round = 10
+over_selection = 1.2
+min_quorum = 5
+round_deadline_s = 120.0
+
+[train]
+local_epochs = 1
+batch_size = 16
+
+[data]
+alpha = 0.5
+params = {{ augment = true, min_samples = 20, max_samples = 40 }}
+
+[population]
+clients = 60
+dropout = 0.1
+
+[[population.classes]]
+name = "phone"
+share = 0.7
+speed_median = 0.5
+upload_mbps = 5.0
+
+[[population.classes]]
+name = "server"
+share = 0.3
+speed_median = 10.0
+upload_mbps = 200.0
+{body}
+"""
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def rows(out: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (out / name).read_text().splitlines()]
+
+
+def without_wall(items: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("wall")} for r in items]
+
+
+# --- the virtual clock -------------------------------------------------------------------
+
+
+def test_waits_pass_in_simulated_seconds_at_once() -> None:
+    async def main() -> tuple[float, float, int]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await asyncio.sleep(7200)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.sleep(100), timeout=5)
+        value = await asyncio.to_thread(lambda: 42)  # inline: no simulated time passes
+        return start, loop.time(), value
+
+    import time
+
+    wall = time.perf_counter()
+    start, end, value = run_simulated(main(), start=1000.0)
+    assert (start, end, value) == (1000.0, 1000.0 + 7205.0, 42)
+    assert time.perf_counter() - wall < 5
+
+
+def test_thread_errors_reach_the_awaiting_task() -> None:
+    def boom() -> None:
+        raise ValueError("from the worker")
+
+    async def main() -> None:
+        await asyncio.to_thread(boom)
+
+    with pytest.raises(ValueError, match="from the worker"):
+        run_simulated(main())
+
+
+def test_a_simulation_waiting_on_nothing_stalls_loudly() -> None:
+    async def main() -> None:
+        await asyncio.get_running_loop().create_future()  # nobody will ever set it
+
+    with pytest.raises(SimulationStalled):
+        run_simulated(main())
+
+
+# --- population ----------------------------------------------------------------------------
+
+
+def test_classes_get_their_share_and_lognormal_speeds() -> None:
+    spec = PopulationSection(
+        clients=4000,
+        classes=(
+            DeviceClass("phone", share=0.75, speed_median=0.5, speed_sigma=0.4),
+            DeviceClass("gpu", share=0.25, speed_median=20.0, speed_sigma=0.1),
+        ),
+    )
+    devices = draw_devices(spec, seed=3)
+    phones = [d for d in devices if d.kind == "phone"]
+    assert abs(len(phones) / len(devices) - 0.75) < 0.03
+    assert abs(float(np.median([d.speed for d in phones])) - 0.5) < 0.03
+    assert min(d.speed for d in devices if d.kind == "gpu") > 10
+    assert draw_devices(spec, seed=3) == devices, "a seed gives the same fleet"
+    assert draw_devices(spec, seed=4) != devices
+
+
+def test_round_time_is_compute_plus_transfer_plus_latency() -> None:
+    device = draw_devices(PopulationSection(clients=1), seed=0)[0]
+    seconds = device.round_seconds(50, 2, 0.01, down=1_000_000, up=500_000)
+    expected = (
+        50 * 2 * 0.01 / device.speed
+        + 1_000_000 / device.download_bytes_per_s
+        + 500_000 / device.upload_bytes_per_s
+        + 2 * device.latency_s
+    )
+    assert seconds == pytest.approx(expected)
+
+
+def test_a_trace_gives_one_device_per_row(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    with trace.open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["class", "speed", "upload_mbps", "download_mbps", "latency_ms"])
+        writer.writerow(["phone", 0.5, 8, 40, 90])
+        writer.writerow(["desktop", 2.0, 100, 400, 10])
+    devices = draw_devices(PopulationSection(clients=4, trace=str(trace)), seed=0)
+    assert [d.kind for d in devices] == ["phone", "desktop", "phone", "desktop"]
+    assert devices[1].upload_bytes_per_s == pytest.approx(100e6 / 8)
+    assert devices[0].latency_s == pytest.approx(0.09)
+    trace.write_text("speed,upload_mbps\n1,2\n")
+    with pytest.raises(SpecError, match="download_mbps"):
+        draw_devices(PopulationSection(clients=1, trace=str(trace)), seed=0)
+
+
+def test_exponential_sessions_alternate_with_their_means() -> None:
+    spec = AvailabilitySection(kind="exponential", mean_on_s=100.0, mean_off_s=300.0)
+    changes = list(itertools.islice(sessions(spec, seed=1, index=0), 4001))
+    states = [online for _, online in changes]
+    assert all(a != b for a, b in itertools.pairwise(states))
+    times = np.array([t for t, _ in changes])
+    gaps = np.diff(times)
+    on_gaps = gaps[[i for i in range(len(gaps)) if states[i]]]
+    assert abs(on_gaps.mean() - 100.0) < 10.0
+
+
+def test_diurnal_devices_are_online_their_hours_each_day() -> None:
+    spec = AvailabilitySection(kind="diurnal", online_hours=6.0)
+    for index in range(20):
+        online_seconds, state, last = 0.0, False, 0.0
+        for t, online in sessions(spec, seed=0, index=index):
+            if t >= 3 * 86_400:
+                break
+            if state:
+                online_seconds += t - last
+            state, last = online, t
+        if state:
+            online_seconds += 3 * 86_400 - last
+        assert online_seconds == pytest.approx(3 * 6 * 3600, rel=1e-6)
+
+
+def test_population_fields_are_checked(tmp_path: Path) -> None:
+    path = experiment_file(tmp_path, "\n[population.availability]\nkind = 'weekly'\n")
+    with pytest.raises(SpecError, match="weekly"):
+        load_experiment(path)
+    path = experiment_file(tmp_path, "\n[simulation]\nspeed = 3\n")
+    with pytest.raises(SpecError, match=r"simulation\.speed"):
+        load_experiment(path)
+
+
+def test_jobs_entries_override_the_base_spec(tmp_path: Path) -> None:
+    body = """
+[[jobs]]
+job = { name = "a" }
+
+[[jobs]]
+job = { name = "b", rounds = 2 }
+aggregation = { strategy = "fedadam", params = { eta = 0.01 } }
+"""
+    experiment = load_experiment(experiment_file(tmp_path, body), clients=99, seed=5)
+    a, b = experiment.jobs
+    assert (a.job.name, a.job.rounds, a.aggregation.strategy) == ("a", 4, "fedavg")
+    assert (b.job.name, b.job.rounds, b.aggregation.strategy) == ("b", 2, "fedadam")
+    assert b.train.batch_size == 16, "what a job does not override comes from the base"
+    assert experiment.population.clients == 99 and experiment.seed == 5
+    twins = experiment_file(tmp_path, "[[jobs]]\n[[jobs]]\n", name="twins.toml")
+    with pytest.raises(SpecError, match="names must differ"):
+        load_experiment(twins)
+
+
+# --- client data and batched training ------------------------------------------------------
+
+
+def test_augmented_digits_give_each_client_its_own_realistic_shard() -> None:
+    from flotilla.tasks import Shard
+    from flotilla.tasks.digits import DigitsTask
+
+    task = DigitsTask()
+    data = DataSection(alpha=0.3, params={"augment": True, "min_samples": 20, "max_samples": 100})
+    shards = [task.load_shard(Shard(i, 5000), data) for i in range(50)]
+    sizes = [s.num_train + int(s.val[1].shape[0]) for s in shards]
+    assert min(sizes) >= 20 and max(sizes) <= 100 and len(set(sizes)) > 10
+    first = shards[0].train[0]
+    assert float(first.min()) >= 0.0 and float(first.max()) <= 1.0
+    again = task.load_shard(Shard(0, 5000), data)
+    assert np.array_equal(again.train[0].numpy(), first.numpy()), "seeded"
+    held_x, held_y = task.heldout()
+    real_x, real_y = DigitsTask().heldout()
+    assert np.array_equal(held_x.numpy(), real_x.numpy()), "the held-out split stays real"
+    assert np.array_equal(held_y.numpy(), real_y.numpy())
+    with pytest.raises(SpecError, match=r"data\.params\.augmnt"):
+        task.load_shard(Shard(0, 10), DataSection(params={"augmnt": True}))
+
+
+def test_batched_training_equals_the_per_client_loop() -> None:
+    """Unequal shards, two epochs, momentum, weight decay and a FedProx term."""
+    from flotilla.tasks import model_state
+    from flotilla.tasks.digits import DigitsTask
+
+    task = DigitsTask()
+    data = DataSection(params={"augment": True, "min_samples": 5, "max_samples": 90})
+    train = TrainSection(
+        local_epochs=2,
+        batch_size=16,
+        learning_rate=0.05,
+        momentum=0.9,
+        weight_decay=1e-3,
+        proximal_mu=0.05,
+    )
+    shards = ShardCache(task, 500)
+    clients = list(range(0, 500, 17))
+    sizes = {shards.get(data, c).num_train for c in clients}
+    assert len(sizes) > 5, "the test needs clients with different amounts of data"
+    model = model_state(task.build_model(3))
+    loop = LoopTrainer(task, shards).train(model, clients, train, data, seed=11)
+    batched = BatchedTrainer(task, shards, group_bytes=16 * 2**20)
+    assert batched.group_size(train, 50_000, 64) < len(clients), "exercise several groups"
+    vectorized = batched.train(model, clients, train, data, seed=11)
+    for a, b in zip(loop, vectorized, strict=True):
+        assert a.num_samples == b.num_samples
+        for name in a.delta:
+            np.testing.assert_allclose(b.delta[name], a.delta[name], rtol=0, atol=1e-5)
+        for key in ("train_loss", "train_accuracy", "accuracy", "loss", "num_samples"):
+            assert b.metrics[key] == pytest.approx(a.metrics[key], abs=1e-5), key
+
+
+# --- whole experiments ----------------------------------------------------------------------
+
+
+def simulate(path: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "flotilla", "simulate", str(path), "--out", str(out), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_simulate_writes_metrics_summary_and_plots(tmp_path: Path) -> None:
+    path = experiment_file(tmp_path)
+    out = tmp_path / "out"
+    done = simulate(path, out, "--json", "--no-progress")
+    summary = json.loads(done.stdout)
+    assert summary == json.loads((out / "summary.json").read_text())
+    job = summary["jobs"]["small"]
+    assert job["state"] == "completed" and job["rounds"] == 4
+    assert 0.0 < job["final_metrics"]["accuracy"] <= 1.0
+    assert summary["final_metrics"]["accuracy"] == job["final_metrics"]["accuracy"]
+    assert summary["simulated_seconds"] > 0 and summary["wall_seconds"] > 0
+    metrics = rows(out)
+    assert [r["round"] for r in metrics] == [1, 2, 3, 4]
+    for r in metrics:
+        assert {"job", "round", "simulated_time", "accuracy", "loss", "bytes_up",
+                "bytes_down", "participants", "dropouts", "wall_seconds"} <= set(r)  # fmt: skip
+        assert 5 <= r["participants"] <= 10
+    times = [r["simulated_time"] for r in metrics]
+    assert times == sorted(times)
+    for name in ("accuracy_vs_time.png", "accuracy_vs_round.png", "models/small.safetensors"):
+        assert (out / name).stat().st_size > 0
+    assert len(rows(out, "participation.jsonl")) == sum(r["participants"] for r in metrics)
+
+
+def test_same_seed_same_metrics_and_another_seed_differs(tmp_path: Path) -> None:
+    path = experiment_file(tmp_path)
+    for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
+        simulate(path, tmp_path / name, "--seed", seed, "--no-progress")
+    a, b, c = (without_wall(rows(tmp_path / n)) for n in "abc")
+    assert a == b
+    assert a != c
+
+
+def test_two_workers_give_the_same_result_as_one(tmp_path: Path) -> None:
+    path = experiment_file(tmp_path, "\n[simulation]\nseed = 4\n")
+    simulate(path, tmp_path / "one", "--no-progress")
+    done = simulate(path, tmp_path / "two", "--devices", "cpu,cpu", "--json", "--no-progress")
+    assert "WorkerPoolTrainer" in json.dumps(json.loads(done.stdout)["trainer"])
+    one, two = without_wall(rows(tmp_path / "one")), without_wall(rows(tmp_path / "two"))
+    assert [r["participants"] for r in one] == [r["participants"] for r in two]
+    for r1, r2 in zip(one, two, strict=True):
+        assert r2["accuracy"] == pytest.approx(r1["accuracy"], abs=1e-6)
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-5)
+
+
+def test_two_jobs_share_the_population_one_job_per_device(tmp_path: Path) -> None:
+    body = """
+[[jobs]]
+job = { name = "a", seed = 1, clients_per_round = 25, min_quorum = 10 }
+
+[[jobs]]
+job = { name = "b", seed = 2, clients_per_round = 25, min_quorum = 10 }
+"""
+    path = experiment_file(tmp_path, body)
+    summary = run_experiment(load_experiment(path), tmp_path / "out", progress=False)
+    assert {j["state"] for j in summary["jobs"].values()} == {"completed"}
+    spans: dict[str, list[tuple[float, float, str]]] = {}
+    for p in rows(tmp_path / "out", "participation.jsonl"):
+        spans.setdefault(p["device"], []).append((p["started_at"], p["finished_at"], p["job"]))
+    assert len(spans) > 25, "together the jobs need more devices than one round takes"
+    for device, items in spans.items():
+        items.sort()
+        for (_, end, job_a), (start, _, job_b) in itertools.pairwise(items):
+            if job_a != job_b:
+                assert end <= start, f"{device} served {job_a} and {job_b} at once"
+
+
+def test_the_deadline_leaves_stragglers_out(tmp_path: Path) -> None:
+    """Slow phones need ~100 simulated seconds a round; the deadline is 20."""
+    body = """
+[simulation]
+seed = 1
+"""
+    path = experiment_file(tmp_path, body)
+    experiment = load_experiment(
+        path,
+        [
+            "job.round_deadline_s=20.0",
+            "job.min_quorum=2",
+            "population.dropout=0.0",
+            "population.seconds_per_sample=1.0",
+        ],
+    )
+    summary = run_experiment(experiment, tmp_path / "out", progress=False)
+    assert summary["jobs"]["small"]["rounds"] == 4
+    fast = {
+        d.device_id
+        for d in draw_devices(experiment.population, experiment.population_seed)
+        if d.kind == "server"
+    }
+    metrics = rows(tmp_path / "out")
+    for r in metrics:
+        assert r["round_seconds"] <= 20.0 + 1e-6
+        assert r["participants"] < 10, "a round at its deadline commits with what it has"
+    for p in rows(tmp_path / "out", "participation.jsonl"):
+        assert p["device"] in fast, "no phone finishes in time"
+
+
+def test_dropouts_are_recorded_and_over_selection_absorbs_them(tmp_path: Path) -> None:
+    path = experiment_file(tmp_path)
+    experiment = load_experiment(path, ["population.dropout=0.4", "job.over_selection=2.0"])
+    run_experiment(experiment, tmp_path / "out", progress=False)
+    metrics = rows(tmp_path / "out")
+    assert len(metrics) == 4
+    assert sum(r["dropouts"] for r in metrics) > 0
+    assert sum(r["participants"] == 10 for r in metrics) >= 2, "over-selection fills rounds"
+    for r in metrics:
+        assert r["participants"] >= 5
+        if r["participants"] < 10:
+            # Too few survivors: the round waits until the dropouts are noticed, then
+            # commits with its quorum.
+            assert r["round_seconds"] >= 30.0
+
+
+def test_compressed_uplinks_and_buffered_rounds_run_in_simulation(tmp_path: Path) -> None:
+    body = """
+[[jobs]]
+job = { name = "plain", seed = 1 }
+
+[[jobs]]
+job = { name = "int8", seed = 1 }
+compression = { uplink = "int8" }
+
+[[jobs]]
+job = { name = "async", seed = 1, clients_per_round = 6, min_quorum = 1 }
+aggregation = { strategy = "fedbuff", params = { buffer_size = 3 } }
+"""
+    path = experiment_file(tmp_path, body)
+    summary = run_experiment(load_experiment(path), tmp_path / "out", progress=False)
+    assert {j["state"] for j in summary["jobs"].values()} == {"completed"}
+    by_job: dict[str, list[dict]] = {}
+    for r in rows(tmp_path / "out"):
+        by_job.setdefault(r["job"], []).append(r)
+    plain = sum(r["bytes_up"] for r in by_job["plain"]) / sum(
+        r["participants"] for r in by_job["plain"]
+    )
+    int8 = sum(r["bytes_up"] for r in by_job["int8"]) / sum(
+        r["participants"] for r in by_job["int8"]
+    )
+    assert 3.5 < plain / int8 < 4.1
+    assert len(by_job["async"]) == 4
+
+
+def test_an_experiment_file_submits_its_jobs_to_a_real_server(tmp_path: Path) -> None:
+    from flotilla.simulation.experiment import job_specs
+
+    body = """
+[[jobs]]
+job = { name = "a" }
+
+[[jobs]]
+job = { name = "b" }
+"""
+    specs = job_specs(experiment_file(tmp_path, body))
+    assert [s.job.name for s in specs] == ["a", "b"]
+    plain = job_specs(ROOT / "examples" / "digits.toml")
+    assert [s.job.name for s in plain] == ["digits"]
