@@ -29,6 +29,8 @@ Three ways to do it, each measured here in the same run:
 
 The baselines' data is loaded beforehand (``ShardCache``, the same shards flotilla trains
 on) and stacked into tensors; neither counts in their timings. They compute no metrics.
+The machine may be shared, so the baselines alternate, half their repeats before
+flotilla's run and half after, and each figure is the best of its runs (medians beside).
 
 Floors (reported, never an exit status):
 
@@ -119,18 +121,20 @@ class Plan:
     loop_sample: int
 
 
-QUICK = Plan(sizes=(100, 1000), rounds={100: 3, 1000: 2}, repeats=2, loop_sample=1000)
+QUICK = Plan(sizes=(100, 1000), rounds={100: 3, 1000: 3}, repeats=3, loop_sample=1000)
 FULL = Plan(
     sizes=(100, 1000, 10_000),
     rounds={100: 5, 1000: 5, 10_000: 3},
-    repeats=3,
+    repeats=5,
     loop_sample=1000,
 )
+#: Thread settings that change every timing here (BLAS threads also run FedAvg's folds).
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 #: What each number includes: printed with the results.
 INCLUDES = {
     "flotilla_round_seconds": (
-        "median over the timed rounds of the wall_seconds difference between consecutive "
+        "best (least) over the timed rounds of the wall_seconds difference between consecutive "
         "metrics.jsonl rows of run_experiment (what `flotilla simulate` runs), in-process: "
         "selection, batched training of C clients, their validation, update pipeline, "
         "virtual-clock events, FedAvg of C updates, checkpoint, server held-out evaluation, "
@@ -141,20 +145,23 @@ INCLUDES = {
     ),
     "flotilla_run_seconds": "the whole run_experiment call, plots and summary included",
     "vmap_seconds": (
-        "median of the bare vmap(grad) loop over all C clients: stacking the global "
+        "best of the bare vmap(grad) loop over all C clients: stacking the global "
         "parameters per client, batch orders, forward/backward, SGD-with-momentum by hand, "
         "deltas as stacked tensors. Excludes data loading and stacking, and metrics."
     ),
     "loop_seconds": (
         "the bare per-client loop (weights copied into one reused model, fresh "
-        "torch.optim.SGD, randperm, forward/backward/step per batch, delta kept), median "
-        "over repeats on loop_sample_clients clients, scaled by C / loop_sample_clients. "
+        "torch.optim.SGD, randperm, forward/backward/step per batch, delta kept), best "
+        "of its repeats on loop_sample_clients clients, scaled by C / loop_sample_clients. "
         "Excludes data loading, and metrics."
     ),
     "baseline_data_seconds": "loading and stacking the baselines' data (not in any timing)",
     "overhead_us_per_client": "(flotilla_round_seconds - vmap_seconds) / C, in microseconds",
     "round_vs_vmap": "flotilla_round_seconds / vmap_seconds",
     "speedup_vs_loop": "loop_seconds / flotilla_round_seconds",
+    "vmap_speedup_vs_loop": "loop_seconds / vmap_seconds: the most any vmap path can gain here",
+    "*_median_seconds, median_ratios": "the same from medians instead of best runs",
+    "*_runs": "every timed run (loop_runs already scaled to C)",
 }
 
 
@@ -377,7 +384,8 @@ def run_flotilla(clients: int, timed_rounds: int, work: Workload, workdir: Path)
     walls = [r["wall_seconds"] for r in rows]
     rounds = [b - a for a, b in itertools.pairwise(walls)]
     return {
-        "flotilla_round_seconds": statistics.median(rounds),
+        "flotilla_round_seconds": min(rounds),
+        "flotilla_round_median_seconds": statistics.median(rounds),
         "flotilla_round_runs": rounds,
         "flotilla_first_round_seconds": walls[0],
         "flotilla_run_seconds": run_s,
@@ -402,18 +410,25 @@ def measure(clients: int, plan: Plan, work: Workload, workdir: Path) -> dict[str
     def loop_once() -> None:
         bare_loop(model, base, data, sample, work)
 
-    # Half the vmap repeats before flotilla's run and half after, so load drift on a
-    # shared machine hits both sides; the first call warms up and is not counted.
-    vmap_once()
-    before = (plan.repeats + 1) // 2
-    vmap_runs = [timed(vmap_once) for _ in range(before)]
-    loop_runs = [timed(loop_once) for _ in range(plan.repeats)]
-    result = run_flotilla(clients, plan.rounds.get(clients, 2), work, workdir)
-    vmap_runs += [timed(vmap_once) for _ in range(plan.repeats - before)]
+    # The machine is shared: the baselines alternate, half their repeats before
+    # flotilla's run and half after, so a burst of other work is likely to hit each side;
+    # and every figure is the best of its runs (the least disturbed one), medians beside.
+    vmap_once()  # warm-up, not counted
+    bare_loop(model, base, data, min(sample, 50), work)
+    vmap_runs: list[float] = []
+    loop_runs: list[float] = []
 
-    vmap_s = statistics.median(vmap_runs)
-    loop_sample_s = statistics.median(loop_runs)
-    loop_s = loop_sample_s * clients / sample
+    def baselines(repeats: int) -> None:
+        for _ in range(repeats):
+            vmap_runs.append(timed(vmap_once))
+            loop_runs.append(timed(loop_once) * clients / sample)
+
+    before = (plan.repeats + 1) // 2
+    baselines(before)
+    result = run_flotilla(clients, plan.rounds.get(clients, 2), work, workdir)
+    baselines(plan.repeats - before)
+
+    vmap_s, loop_s = min(vmap_runs), min(loop_runs)
     round_s = result["flotilla_round_seconds"]
     return {
         "clients": clients,
@@ -423,18 +438,25 @@ def measure(clients: int, plan: Plan, work: Workload, workdir: Path) -> dict[str
         "model_params": params,
         **result,
         "vmap_seconds": vmap_s,
+        "vmap_median_seconds": statistics.median(vmap_runs),
         "vmap_runs": vmap_runs,
         "vmap_group_clients": group,
         "loop_seconds": loop_s,
+        "loop_median_seconds": statistics.median(loop_runs),
+        "loop_runs": loop_runs,
         "loop_scaled": sample < clients,
         "loop_sample_clients": sample,
-        "loop_sample_runs": loop_runs,
         "baseline_data_seconds": data.load_seconds,
         "baseline_check_max_abs_diff": check_baselines(model, base, data, work),
         "round_vs_vmap": round_s / vmap_s,
         "speedup_vs_loop": loop_s / round_s,
         "vmap_speedup_vs_loop": loop_s / vmap_s,
         "overhead_us_per_client": (round_s - vmap_s) / clients * 1e6,
+        "median_ratios": {
+            "round_vs_vmap": result["flotilla_round_median_seconds"] / statistics.median(vmap_runs),
+            "speedup_vs_loop": statistics.median(loop_runs)
+            / result["flotilla_round_median_seconds"],
+        },
         "us_per_client": {
             "flotilla": round_s / clients * 1e6,
             "vmap": vmap_s / clients * 1e6,
@@ -484,6 +506,7 @@ class Report:
             "machine": {
                 "cpus": os.cpu_count(),
                 "torch_threads": torch.get_num_threads(),
+                "thread_variables": {k: os.environ.get(k) for k in THREAD_VARIABLES},
                 "python": platform.python_version(),
                 "torch": torch.__version__,
                 "platform": platform.platform(),

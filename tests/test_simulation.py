@@ -283,6 +283,24 @@ def test_batched_training_equals_the_per_client_loop() -> None:
             assert b.metrics[key] == pytest.approx(a.metrics[key], abs=1e-5), key
 
 
+def test_client_state_lives_in_a_sparse_memory_mapped_file(tmp_path: Path) -> None:
+    from flotilla.core.tensors import TensorSpec
+    from flotilla.simulation.client_state import ClientStateStore
+
+    layout = (TensorSpec("w", "F32", (1000, 250)), TensorSpec("b", "F32", (250,)))
+    path = tmp_path / "state.f32"
+    store = ClientStateStore(path, 10_000, layout)  # 10k clients x 250k floats = 10 GB
+    assert store.get(7) is None
+    row = {"w": np.full((1000, 250), 0.5, np.float32), "b": np.arange(250, dtype=np.float32)}
+    store.put(7, row)
+    got = store.get(7)
+    assert got is not None and len(store) == 1
+    np.testing.assert_array_equal(got["w"], row["w"])
+    np.testing.assert_array_equal(got["b"], row["b"])
+    assert path.stat().st_size == 10_000 * 250_250 * 4
+    assert path.stat().st_blocks * 512 < 64 * 2**20, "only written rows take disk"
+
+
 # --- whole experiments ----------------------------------------------------------------------
 
 
@@ -417,6 +435,11 @@ job = { name = "int8", seed = 1 }
 compression = { uplink = "int8" }
 
 [[jobs]]
+job = { name = "topk-ef", seed = 1 }
+train = { update_momentum = 0.5 }
+compression = { uplink = "topk", uplink_params = { fraction = 0.05 }, error_feedback = true }
+
+[[jobs]]
 job = { name = "async", seed = 1, clients_per_round = 6, min_quorum = 1 }
 aggregation = { strategy = "fedbuff", params = { buffer_size = 3 } }
 """
@@ -433,6 +456,10 @@ aggregation = { strategy = "fedbuff", params = { buffer_size = 3 } }
         r["participants"] for r in by_job["int8"]
     )
     assert 3.5 < plain / int8 < 4.1
+    topk = sum(r["bytes_up"] for r in by_job["topk-ef"]) / sum(
+        r["participants"] for r in by_job["topk-ef"]
+    )
+    assert plain / topk > 5
     assert len(by_job["async"]) == 4
 
 
@@ -450,3 +477,107 @@ job = { name = "b" }
     assert [s.job.name for s in specs] == ["a", "b"]
     plain = job_specs(ROOT / "examples" / "digits.toml")
     assert [s.job.name for s in plain] == ["digits"]
+
+
+def test_ten_thousand_clients_fit_in_memory(tmp_path: Path) -> None:
+    """1,000 of 10,000 clients a round, with error feedback kept for every client."""
+    import resource
+
+    body = """
+[compression]
+uplink = "int8"
+error_feedback = true
+"""
+    path = experiment_file(tmp_path, body)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    simulate(
+        path, tmp_path / "out", "--clients", "10000", "--no-progress",
+        "--set", "job.rounds=2", "--set", "job.clients_per_round=1000",
+        "--set", "job.min_quorum=500", "--set", "job.over_selection=1.1",
+    )  # fmt: skip
+    peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    metrics = rows(tmp_path / "out")
+    assert [r["round"] for r in metrics] == [1, 2]
+    assert all(r["participants"] >= 900 for r in metrics)
+    assert before / 1024 < 4096 and peak_mib < 4096, f"peak RSS {peak_mib:.0f} MiB"
+
+
+RAY_CHECK = """
+import json, sys
+import numpy as np, psutil
+from flotilla.core.spec import DataSection, TrainSection
+from flotilla.simulation.ray_workers import RayTrainer
+from flotilla.simulation.training import BatchedTrainer, ShardCache
+from flotilla.tasks import load_task, model_state
+
+NAME = "flotilla.tasks.digits:DigitsTask"
+task = load_task(NAME)
+shards = ShardCache(task, 200)
+data = DataSection(params={"augment": True})
+train = TrainSection(batch_size=16)
+model = model_state(task.build_model(0))
+clients = list(range(0, 200, 7))
+trainer = RayTrainer(NAME, shards, ["cpu", "cpu"])
+try:
+    remote = trainer.train(model, clients, train, data, 5)
+    me = psutil.Process()
+    listeners = []
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            for c in proc.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    listeners.append([proc.name(), c.laddr.ip, c.laddr.port])
+        except psutil.Error:
+            pass
+finally:
+    trainer.close()
+local = BatchedTrainer(task, shards).train(model, clients, train, data, 5)
+diff = max(
+    float(np.abs(a.delta[k] - b.delta[k]).max()) for a, b in zip(local, remote) for k in a.delta
+)
+print(json.dumps({"listeners": listeners, "max_diff": diff, "count": len(remote)}))
+"""
+
+
+def test_ray_workers_listen_on_loopback_only_and_train_like_local_ones(tmp_path: Path) -> None:
+    script = tmp_path / "ray_check.py"
+    script.write_text(RAY_CHECK)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    names = {name for name, _, _ in report["listeners"]}
+    assert {"gcs_server", "raylet"} <= names, report["listeners"]
+    loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+    strays = [item for item in report["listeners"] if item[1] not in loopback]
+    assert not strays, f"Ray listens beyond loopback: {strays}"
+    assert report["count"] == len(range(0, 200, 7))
+    assert report["max_diff"] < 1e-5
+
+
+def test_one_experiment_file_trains_in_simulation_and_on_real_agents(
+    sqlite_server: object, tmp_path: Path
+) -> None:
+    """The same job spec, unchanged: 8 virtual clients, then 8 real agent processes."""
+    from tests.conftest import AgentFleet, ServerProcess
+
+    assert isinstance(sqlite_server, ServerProcess)
+    path = tmp_path / "both.toml"
+    path.write_text(
+        (ROOT / "examples" / "digits.toml").read_text()
+        + "\n[population]\nclients = 8\n\n[simulation]\nseed = 3\n"
+    )
+    experiment = load_experiment(path, ["job.rounds=20", "job.clients_per_round=4"])
+    summary = run_experiment(experiment, tmp_path / "sim", progress=False)
+    assert summary["final_metrics"]["accuracy"] >= 0.90, summary
+
+    agents = AgentFleet(sqlite_server, sqlite_server.token(), tmp_path)
+    try:
+        agents.start(8)
+        job_id = sqlite_server.submit(path, "job.rounds=20", "job.clients_per_round=4")
+        status = sqlite_server.wait_for(job_id, timeout=400)
+    finally:
+        agents.stop()
+    assert status["state"] == "completed", status
+    assert status["metrics"]["accuracy"] >= 0.90, status

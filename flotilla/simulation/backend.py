@@ -17,6 +17,7 @@ import math
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from flotilla.core.update import Update
 from flotilla.engine.backend import Delivered, Failed, RoundResult, TrainTask
 from flotilla.engine.ports import Blobs
 from flotilla.scheduling import DevicePool
+from flotilla.simulation.client_state import ClientStateStore
 from flotilla.simulation.fleet import Fleet
 from flotilla.simulation.population import PopulationSection
 from flotilla.simulation.training import ClientTrainer
@@ -75,47 +77,68 @@ class _Stream:
 class UpdatePipeline:
     """What a real agent does to its delta before upload, and the server's decode after.
 
-    Per-client state (update momentum, error-feedback residuals) is kept per job.
+    Per-client state (update momentum, error-feedback residuals) is kept per job, in
+    memory-mapped stores under ``state_dir`` so 10,000+ clients fit.
     """
 
-    def __init__(self, config: RoundConfig, layout: tuple[TensorSpec, ...], seed: int) -> None:
+    def __init__(
+        self,
+        config: RoundConfig,
+        layout: tuple[TensorSpec, ...],
+        seed: int,
+        state_dir: Path,
+        clients: int,
+    ) -> None:
         spec = config.compression
         self.codec = make_codec(spec.uplink, spec.uplink_params)
-        self.error_feedback = spec.error_feedback
         self.momentum = config.train.update_momentum
         self.layout = layout
         self._rng = np.random.default_rng([seed % 2**32, 3])
-        self._feedback: dict[int, ErrorFeedback] = {}
-        self._velocity: dict[int, ModelState] = {}
+        self._feedback = (
+            ClientStateStore(state_dir / "residuals.f32", clients, layout)
+            if spec.error_feedback
+            else None
+        )
+        self._velocity = (
+            ClientStateStore(state_dir / "momentum.f32", clients, layout)
+            if self.momentum > 0
+            else None
+        )
         self._plain_bytes: int | None = None
 
     def __call__(self, client: int, delta: ModelState) -> tuple[ModelState, int]:
         """The delta as the server decodes it, and the bytes it took on the uplink."""
-        if self.momentum > 0:
-            delta = self._smooth(client, delta)
+        if self._velocity is not None:
+            delta = self._smooth(client, delta, self._velocity)
         if self.codec.name == "none":
             if self._plain_bytes is None:  # a plain payload's size depends on the layout only
                 self._plain_bytes = len(encode_state(delta))
             return delta, self._plain_bytes
         feedback = None
-        if self.error_feedback:
-            feedback = self._feedback.setdefault(client, ErrorFeedback(f"client-{client}"))
+        if self._feedback is not None:
+            feedback = ErrorFeedback(f"client-{client}")
+            held = self._feedback.get(client)
+            if held is not None:
+                feedback.load_state_dict(held)
         ctx = CodecContext.seeded(int(self._rng.integers(2**63)))
         payload = encode_state_with(self.codec, delta, ctx, feedback)
+        if feedback is not None and self._feedback is not None:
+            self._feedback.put(client, feedback.state_dict())
         decoded = decode_state_with(payload, self.layout, len(payload), codec=self.codec)
         return decoded, len(payload)
 
-    def _smooth(self, client: int, delta: ModelState) -> ModelState:
+    def _smooth(self, client: int, delta: ModelState, store: ClientStateStore) -> ModelState:
+        """Update momentum as a real agent keeps it: m = beta*m + (1-beta)*delta."""
         beta = self.momentum
-        previous = self._velocity.get(client)
-        if previous is None:
-            smoothed = {k: np.asarray((1.0 - beta) * v, dtype=np.float32) for k, v in delta.items()}
-        else:
-            smoothed = {
-                k: np.asarray(beta * previous[k] + (1.0 - beta) * v, dtype=np.float32)
-                for k, v in delta.items()
-            }
-        self._velocity[client] = smoothed
+        previous = store.get(client)
+        smoothed = {
+            k: np.asarray(
+                (1.0 - beta) * v if previous is None else beta * previous[k] + (1.0 - beta) * v,
+                dtype=np.float32,
+            )
+            for k, v in delta.items()
+        }
+        store.put(client, smoothed)
         return smoothed
 
 
@@ -136,8 +159,10 @@ class SimBackend:
         trainers: dict[str, ClientTrainer],
         population: PopulationSection,
         seed: int,
+        state_dir: Path,
     ) -> None:
         self.fleet = fleet
+        self.state_dir = state_dir
         self.pool = pool
         self.blobs = blobs
         self.trainers = trainers
@@ -210,7 +235,9 @@ class SimBackend:
         if job is None:
             config = RoundConfig.from_json(task.config_json)
             seed = self._seed * 7919 + len(self._jobs)
-            job = _JobContext(config, UpdatePipeline(config, task.layout, seed))
+            state_dir = self.state_dir / task.job_id
+            pipeline = UpdatePipeline(config, task.layout, seed, state_dir, self.population.clients)
+            job = _JobContext(config, pipeline)
             self._jobs[task.job_id] = job
         return job
 

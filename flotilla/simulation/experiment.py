@@ -81,11 +81,12 @@ def job_specs(path: str | Path, overrides: Sequence[str] = ()) -> tuple[JobSpec,
 
 def _read(path: Path) -> dict[str, Any]:
     try:
-        return tomllib.loads(path.read_text())
+        data: dict[str, Any] = tomllib.loads(path.read_text())
     except FileNotFoundError as exc:
         raise SpecError(f"{path}: no such file") from exc
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{path}: not valid TOML: {exc}") from exc
+    return data
 
 
 def load_experiment(

@@ -91,12 +91,12 @@ class RayTrainer:
         devices: Sequence[str],
         batched: bool | None = None,
     ) -> None:
-        import ray
-
         if not devices:
             raise FlotillaError("Ray training needs at least one device")
         self.shards = shards
-        self._started = start_ray()
+        self._started = start_ray()  # before any `import ray`: it settles the bind address
+        import ray
+
         actor: Any = ray.remote(_TrainerActor)
         self._actors: list[Any] = []
         for device in devices:

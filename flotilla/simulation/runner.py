@@ -166,7 +166,7 @@ async def _simulate(
     tasks = tuple(sorted({spec.job.task for spec in experiment.jobs}))
     fleet = Fleet(draw_devices(pop, seed), tasks, pop.availability, seed, pool)
     blobs = BlobStore(scratch / "blobs")
-    backend = SimBackend(fleet, pool, blobs, trainers, pop, experiment.seed)
+    backend = SimBackend(fleet, pool, blobs, trainers, pop, experiment.seed, scratch / "clients")
     bar = _progress_bar(sum(s.job.rounds for s in experiment.jobs), progress)
     with (
         (out_dir / "metrics.jsonl").open("w") as out,
