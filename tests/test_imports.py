@@ -11,7 +11,7 @@ import pytest
 
 SUBPACKAGES = [
     "core", "compression", "aggregation", "scheduling", "engine", "client", "tasks", "server",
-    "proto",
+    "proto", "simulation",
 ]  # fmt: skip
 
 
@@ -23,6 +23,9 @@ HEAVY_CHECKS = {
     "flotilla.engine": ("flotilla.server", "flotilla.client", "torch", "sqlalchemy", "grpc"),
     "flotilla.aggregation": ("flotilla.server", "flotilla.client", "torch", "grpc"),
     "flotilla.scheduling": ("flotilla.server", "flotilla.client", "torch", "grpc"),
+    "flotilla.simulation": (
+        "flotilla.server", "torch", "sqlalchemy", "aiohttp", "ray", "matplotlib", "sklearn",
+    ),
     "flotilla.compression": (
         "flotilla.server", "flotilla.client", "flotilla.aggregation", "torch", "grpc",
         "sqlalchemy",

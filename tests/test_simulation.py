@@ -581,3 +581,17 @@ def test_one_experiment_file_trains_in_simulation_and_on_real_agents(
         agents.stop()
     assert status["state"] == "completed", status
     assert status["metrics"]["accuracy"] >= 0.90, status
+
+
+def test_the_example_experiment_reaches_ninety_percent(tmp_path: Path) -> None:
+    """`flotilla simulate examples/digits-sim.toml`: 1,000 clients, 100 a round, 30 rounds,
+    20% mid-round dropout."""
+    done = simulate(ROOT / "examples" / "digits-sim.toml", tmp_path / "out", "--json")
+    summary = json.loads(done.stdout)
+    job = summary["jobs"]["digits-sim"]
+    assert job["state"] == "completed" and job["rounds"] == 30
+    assert job["final_metrics"]["accuracy"] >= 0.90, summary
+    metrics = rows(tmp_path / "out")
+    dropped = sum(r["dropouts"] for r in metrics)
+    selected = 130 * len(metrics)
+    assert 0.12 < dropped / selected < 0.28, "about 20% of the selected devices drop out"
