@@ -20,6 +20,9 @@ from flotilla.core.tensors import ModelState, TensorSpec
 BLOCK = 1 << 18
 #: BLAS takes a 32-bit element count; longer tensors are folded in pieces of this size.
 _BLAS_MAX = 1 << 30
+#: Below this many elements numpy's two passes win: a BLAS call costs microseconds to
+#: milliseconds of thread wake-up (far more on a busy machine) before it moves any data.
+_BLAS_MIN = 1 << 20
 
 Axpy = Callable[..., np.ndarray]
 
@@ -58,7 +61,12 @@ def axpy(acc: np.ndarray, x: np.ndarray, a: float) -> None:
     fa = acc.reshape(-1)
     fx = flat(x)
     saxpy = _blas_saxpy()
-    if saxpy is not None and fx.dtype == np.float32 and fx.flags.c_contiguous:
+    if (
+        saxpy is not None
+        and fa.size >= _BLAS_MIN
+        and fx.dtype == np.float32
+        and fx.flags.c_contiguous
+    ):
         for sl in blocks(fa.size, _BLAS_MAX):
             saxpy(fx[sl], fa[sl], a=a)
         return
