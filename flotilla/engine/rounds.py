@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -370,6 +371,10 @@ async def next_result(results: AsyncIterator[RoundResult], timeout: float) -> Ro
     if timeout <= 0:
         return None
     try:
+        if sys.version_info >= (3, 11):
+            # No task per result (wait_for makes one): thousands of results a round.
+            async with asyncio.timeout(timeout):
+                return await results.__anext__()
         return await asyncio.wait_for(results.__anext__(), timeout=timeout)
     except (StopAsyncIteration, asyncio.TimeoutError):
         return None
