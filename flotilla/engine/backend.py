@@ -71,8 +71,10 @@ RoundResult = Delivered | Failed
 class Backend(Protocol):
     """Runs a round's task on devices and streams back their results as they arrive.
 
-    The engine stops iterating when it has enough updates or the deadline passes, then
-    closes the iterator; from then on the backend must refuse the round's late updates.
+    The engine claims the devices in the pool and dispatches in the same event-loop step
+    (no await between), so a backend may treat a claimed device it has no task for as
+    free. The engine stops iterating when it has enough updates or the deadline passes,
+    then closes the iterator; from then on the backend must refuse the round's late updates.
     """
 
     def dispatch(

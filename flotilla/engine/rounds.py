@@ -130,12 +130,15 @@ class JobRunner:
 
     async def run_round(self, round_no: int) -> bool:
         """One attempt at a round; True when it committed."""
-        selected, rate = await self._select()
-        started = self.clock()
-        task = self._task(round_no, started)
         global_state = decode_state(
             await asyncio.to_thread(self.blobs.get_mapped, self.job.checkpoint_sha256)
         )
+        selected, rate = await self._select()
+        # From the claim to the dispatch nothing may await: a claimed device that polls
+        # before its task is offered looks idle to the backend, which would free it for
+        # another job (one device, two jobs).
+        started = self.clock()
+        task = self._task(round_no, started)
         aggregator = self._aggregator
         aggregator.begin(round_no, global_state)
         del global_state
