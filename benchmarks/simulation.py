@@ -42,8 +42,8 @@ Floors (reported, never an exit status):
 
 Stdout carries exactly one JSON object; a one-line summary goes to stderr.
 
-    python benchmarks/simulation.py --quick     # C = 100 and 1,000, about a minute
-    python benchmarks/simulation.py             # C = 100, 1,000 and 10,000
+    python benchmarks/simulation.py --quick     # C = 100 and 1,000: about 30 s on 2 cores
+    python benchmarks/simulation.py             # C = 100, 1,000 and 10,000: 2-4 minutes
 """
 
 from __future__ import annotations
@@ -286,11 +286,11 @@ def vmap_group(clients: Clients, work: Workload, params: int) -> int:
 
 def check_baselines(
     model: nn.Module, base: dict[str, torch.Tensor], clients: Clients, work: Workload
-) -> float:
+) -> float | None:
     """Largest difference between the two baselines' deltas on a few clients given the
     same batch orders: they do the same arithmetic."""
     if work.local_epochs != 1:
-        return math.nan  # one order per client covers one epoch only
+        return None  # one order per client covers one epoch only
     count = min(8, clients.x.shape[0])
     few = Clients(clients.x[:count], clients.y[:count], 0.0)
     gen = torch.Generator().manual_seed(1)
@@ -313,7 +313,7 @@ def timed(fn: Callable[[], object]) -> float:
 # --- flotilla ------------------------------------------------------------------------------
 
 EXPERIMENT = """\
-# Written by benchmarks/simulation.py: one round of {clients} clients, no dropout.
+# Written by benchmarks/simulation.py: rounds of all {clients} clients, no dropout.
 [job]
 name = "bench-{clients}"
 task = "{task}"
@@ -471,6 +471,8 @@ class Report:
     plan: Plan
     work: Workload
     load: list[list[float]] = field(default_factory=lambda: [list(os.getloadavg())])
+    #: Taken at the start: the code measured is the code imported then.
+    revision: dict[str, Any] = field(default_factory=lambda: revision())
     sizes: list[dict[str, Any]] = field(default_factory=list)
     floors: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -525,7 +527,7 @@ class Report:
                 "speedup_vs_loop": f">= {LOOP_SPEEDUP_LIMIT} at C = {FLOOR_CLIENTS}",
                 "overhead_us_per_client": f"<= {OVERHEAD_LIMIT_US} at every C",
             },
-            "revision": revision(),
+            "revision": self.revision,
             "sizes": self.sizes,
             "floors": self.floors,
             "notes": self.notes,

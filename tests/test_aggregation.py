@@ -172,3 +172,45 @@ def test_an_aggregate_that_overflows_float32_is_refused() -> None:
     agg.add({"w": np.full(3, 3e38, dtype=np.float32)}, 10.0)
     with pytest.raises(UpdateRejected, match="not finite"):
         agg.finalize()
+
+
+def test_flat_view_spans_only_back_to_back_tensors_of_one_buffer() -> None:
+    from flotilla.aggregation._kernels import flat_view, zeros
+    from flotilla.core.tensors import TensorSpec
+
+    layout = (TensorSpec("a", "F32", (3, 4)), TensorSpec("b", "F32", (5,)))
+    assert flat_view(zeros(layout), layout) is not None
+    rows = np.arange(34, dtype=np.float32).reshape(2, 17)
+    joined = {"a": rows[1, :12].reshape(3, 4), "b": rows[1, 12:]}
+    view = flat_view(joined, layout)
+    assert view is not None
+    np.testing.assert_array_equal(view, rows[1])
+    apart = {"a": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.float32)}
+    assert flat_view(apart, layout) is None, "two allocations, even if adjacent"
+    swapped = {"a": rows[0, 5:].reshape(3, 4), "b": rows[0, :5]}
+    assert flat_view(swapped, layout) is None, "not in layout order"
+
+
+def test_folding_one_buffer_updates_equals_folding_tensor_by_tensor() -> None:
+    from flotilla.aggregation import make_aggregator, parse_params
+    from flotilla.core.tensors import TensorSpec
+
+    layout = (TensorSpec("a", "F32", (30, 40)), TensorSpec("b", "F32", (50,)))
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((4, 1250)).astype(np.float32)
+    joined = [{"a": r[:1200].reshape(30, 40), "b": r[1200:]} for r in rows]
+    apart = [{k: v.copy() for k, v in u.items()} for u in joined]
+    results = []
+    for updates in (joined, apart):
+        agg = make_aggregator("fedavg", parse_params("fedavg", {}), layout, None)
+        agg.begin(1, {"a": np.zeros((30, 40), np.float32), "b": np.zeros(50, np.float32)})
+        for i, u in enumerate(updates):
+            agg.add(u, float(i + 1))
+        results.append(agg.finalize())
+    for name in ("a", "b"):
+        np.testing.assert_array_equal(results[0][name], results[1][name])
+    joined[2]["b"][3] = np.nan
+    agg = make_aggregator("fedavg", parse_params("fedavg", {}), layout, None)
+    agg.begin(1, {"a": np.zeros((30, 40), np.float32), "b": np.zeros(50, np.float32)})
+    with pytest.raises(UpdateRejected, match="'b'"):
+        agg.add(joined[2], 1.0)

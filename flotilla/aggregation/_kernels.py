@@ -131,8 +131,13 @@ def check_update(
             raise UpdateRejected(
                 f"tensor {spec.name!r}: shape {list(arr.shape)}, expected {list(spec.shape)}"
             )
+    if not finite:
+        return
+    whole = flat_view(update, layout)
+    if whole is not None and all_finite(whole):
+        return
     for spec in layout:
-        if finite and not all_finite(update[spec.name]):
+        if not all_finite(update[spec.name]):
             raise UpdateRejected(f"tensor {spec.name!r} contains NaN or Inf")
 
 
@@ -150,8 +155,53 @@ def check_state(layout: tuple[TensorSpec, ...], state: Mapping[str, np.ndarray],
 
 
 def zeros(layout: tuple[TensorSpec, ...]) -> ModelState:
-    """float32 zeros per tensor; pages are only committed as they are written."""
-    return {s.name: np.zeros(s.shape, dtype=np.float32) for s in layout}
+    """float32 zeros per tensor, as views of one buffer (see :func:`flat_view`); pages are
+    only committed as they are written."""
+    buffer = np.zeros(sum(numel(s) for s in layout), dtype=np.float32)
+    out: ModelState = {}
+    start = 0
+    for s in layout:
+        out[s.name] = buffer[start : start + numel(s)].reshape(s.shape)
+        start += numel(s)
+    return out
+
+
+def _root(arr: np.ndarray) -> object:
+    base: object = arr
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return base
+
+
+def flat_view(state: Mapping[str, np.ndarray], layout: tuple[TensorSpec, ...]) -> np.ndarray | None:
+    """One 1-D view over all of ``state`` when its float32 tensors lie back to back, in
+    layout order, in one buffer (as :func:`zeros` makes them, or a simulator's batched
+    trainer); None otherwise. A model of many small tensors is then one pass, not one
+    call per tensor."""
+    if not layout:
+        return None
+    arrays = [state[s.name] for s in layout]
+    first = arrays[0]
+    if not isinstance(first, np.ndarray):
+        return None
+    root = _root(first)
+    address = first.__array_interface__["data"][0]
+    for arr in arrays:
+        if (
+            not isinstance(arr, np.ndarray)
+            or arr.dtype != np.float32
+            or not arr.flags.c_contiguous
+            or arr.__array_interface__["data"][0] != address
+            or _root(arr) is not root
+        ):
+            return None
+        address += arr.nbytes
+    # Same buffer, consecutive addresses: the span lies inside that buffer.
+    total = sum(arr.size for arr in arrays)
+    view: np.ndarray = np.lib.stride_tricks.as_strided(
+        first.reshape(-1), shape=(total,), strides=(4,), writeable=first.flags.writeable
+    )
+    return view
 
 
 def apply_step(global_state: Mapping[str, np.ndarray], step: ModelState, lr: float) -> ModelState:

@@ -15,7 +15,14 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from flotilla.aggregation._kernels import axpy, check_state, check_update, check_weight, zeros
+from flotilla.aggregation._kernels import (
+    axpy,
+    check_state,
+    check_update,
+    check_weight,
+    flat_view,
+    zeros,
+)
 from flotilla.core.errors import SpecError, UpdateRejected
 from flotilla.core.tensors import ModelState, TensorSpec
 
@@ -127,11 +134,13 @@ class WeightedSum:
     def __init__(self, layout: tuple[TensorSpec, ...]) -> None:
         self._layout = layout
         self._acc: ModelState | None = None
+        self._flat: np.ndarray | None = None
         self.count = 0
         self.total_weight = 0.0
 
     def reset(self) -> None:
         self._acc = None
+        self._flat = None
         self.count = 0
         self.total_weight = 0.0
 
@@ -139,8 +148,13 @@ class WeightedSum:
         """Add ``coef * update``; the caller has validated it. ``weight`` adds to the total."""
         if self._acc is None:
             self._acc = zeros(self._layout)  # allocated on first use: a retried round is free
-        for name, acc in self._acc.items():
-            axpy(acc, update[name], coef)
+            self._flat = flat_view(self._acc, self._layout)
+        whole = None if self._flat is None else flat_view(update, self._layout)
+        if whole is not None and self._flat is not None:
+            axpy(self._flat, whole, coef)
+        else:
+            for name, acc in self._acc.items():
+                axpy(acc, update[name], coef)
         self.count += 1
         self.total_weight += weight
 
@@ -148,7 +162,7 @@ class WeightedSum:
         """Hand out ``scale * sum`` (the buffers themselves) and start empty again."""
         if self._acc is None or self.count == 0:
             raise UpdateRejected("no updates to aggregate")
-        acc, self._acc = self._acc, None
+        acc, self._acc, self._flat = self._acc, None, None
         with np.errstate(over="ignore", invalid="ignore"):
             for buf in acc.values():
                 np.multiply(buf, np.float32(scale), out=buf)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import random
@@ -178,6 +179,9 @@ async def _simulate(
             for i, spec in enumerate(experiment.jobs)
         ]
         fleet.start()
+        # Everything built so far (torch, the fleet, the data) lives to the end: keep the
+        # cyclic collector from rescanning it in every full collection of the run.
+        gc.freeze()
         try:
             await asyncio.wait_for(
                 asyncio.gather(*(r.run() for r in runners)),
@@ -189,6 +193,7 @@ async def _simulate(
                 experiment.simulation.max_simulated_s,
             )
         finally:
+            gc.unfreeze()
             fleet.stop()
             if bar is not None:
                 bar.close()

@@ -175,7 +175,14 @@ class BatchedTrainer:
         base = {
             n: torch.from_numpy(np.array(global_state[n], dtype=np.float32)).to(dev) for n in names
         }
-        params = {n: base[n].unsqueeze(0).repeat(count, *([1] * base[n].dim())) for n in names}
+        # All of a client's parameters in one row of `flat`: the deltas handed out are then
+        # back to back in one buffer, which the aggregator folds in one pass per client.
+        sizes = [base[n].numel() for n in names]
+        flat = torch.cat([base[n].reshape(-1) for n in names]).repeat(count, 1)
+        params = {
+            n: piece.view(count, *base[n].shape)
+            for n, piece in zip(names, torch.split(flat, sizes, dim=1), strict=True)
+        }
         bufs: dict[str, torch.Tensor] = {}
         mu = cfg.proximal_mu
         losses_of = self.task.example_losses
@@ -197,8 +204,12 @@ class BatchedTrainer:
         loss_sum = torch.zeros(count, device=dev)
         correct = torch.zeros(count, device=dev)
         lr, momentum, decay = cfg.learning_rate, cfg.momentum, cfg.weight_decay
+        # A step is as wide as its fullest client's batch: a short last batch (45 samples
+        # in batches of 32 end with 13) is not computed at full width for everyone.
+        widths = mask.sum(dim=2).max(dim=0).values.long().tolist()
         for t in range(index.shape[1]):
-            idx, m = index[:, t], mask[:, t]
+            width = max(1, widths[t])
+            idx, m = index[:, t, :width], mask[:, t, :width]
             grads, (batch_loss, batch_correct) = step(
                 params, x_train[rows, idx], y_train[rows, idx], m
             )
@@ -235,16 +246,19 @@ class BatchedTrainer:
         seen = counts.clamp(min=1).float() * cfg.local_epochs
         metrics = {"train_loss": loss_sum / seen, "train_accuracy": correct / seen}
         metrics.update(self._evaluate(params, [d.val for d in locals_]))
-        deltas = {n: params[n].sub_(base[n]).cpu().numpy() for n in names}
-        columns = {k: v.cpu().numpy() for k, v in metrics.items()}
-        return [
-            ClientResult(
-                int(counts[i]),
-                {k: float(v[i]) for k, v in columns.items()},
-                {n: deltas[n][i] for n in names},
-            )
-            for i in range(count)
-        ]
+        flat.sub_(torch.cat([base[n].reshape(-1) for n in names]))
+        rows_np = flat.cpu().numpy()
+        columns = {k: v.cpu().numpy().tolist() for k, v in metrics.items()}
+        bounds = np.cumsum([0, *sizes])
+        shapes = [tuple(base[n].shape) for n in names]
+        out = []
+        for i in range(count):
+            row = rows_np[i]
+            delta = {
+                n: row[bounds[j] : bounds[j + 1]].reshape(shapes[j]) for j, n in enumerate(names)
+            }
+            out.append(ClientResult(int(counts[i]), {k: v[i] for k, v in columns.items()}, delta))
+        return out
 
     def _evaluate(self, params: dict[str, Any], vals: list[Any]) -> dict[str, Any]:
         import torch
