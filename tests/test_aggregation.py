@@ -174,31 +174,42 @@ def test_an_aggregate_that_overflows_float32_is_refused() -> None:
         agg.finalize()
 
 
-def test_flat_view_spans_only_back_to_back_tensors_of_one_buffer() -> None:
+def test_flat_states_are_one_buffer_and_keep_their_keys() -> None:
     from flotilla.aggregation._kernels import flat_view, zeros
-    from flotilla.core.tensors import TensorSpec
+    from flotilla.core.tensors import FlatState, TensorSpec
 
     layout = (TensorSpec("a", "F32", (3, 4)), TensorSpec("b", "F32", (5,)))
     assert flat_view(zeros(layout), layout) is not None
-    rows = np.arange(34, dtype=np.float32).reshape(2, 17)
-    joined = {"a": rows[1, :12].reshape(3, 4), "b": rows[1, 12:]}
-    view = flat_view(joined, layout)
-    assert view is not None
-    np.testing.assert_array_equal(view, rows[1])
-    apart = {"a": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.float32)}
-    assert flat_view(apart, layout) is None, "two allocations, even if adjacent"
-    swapped = {"a": rows[0, 5:].reshape(3, 4), "b": rows[0, :5]}
-    assert flat_view(swapped, layout) is None, "not in layout order"
+    row = np.arange(17, dtype=np.float32)
+    state = FlatState(row, layout)
+    np.testing.assert_array_equal(state["b"], row[12:])
+    state["a"][0, 0] = 99.0  # the tensors are views: writes land in the buffer
+    assert row[0] == 99.0
+    view = flat_view(state, layout)
+    assert view is row
+    assert flat_view(dict(state), layout) is None, "a plain dict is folded tensor by tensor"
+    assert flat_view(state, tuple(reversed(layout))) is None, "not in layout order"
+    with pytest.raises(TypeError):
+        state["a"] = np.zeros((3, 4), np.float32)
+    with pytest.raises(TypeError):
+        state.update({"a": np.zeros((3, 4), np.float32)})
+    with pytest.raises(ValueError, match="18"):
+        FlatState(np.zeros(18, np.float32), layout)
+    import pickle  # between our own worker processes, never from the network
+
+    copy = pickle.loads(pickle.dumps(state))
+    assert isinstance(copy, FlatState) and copy.layout == layout
+    np.testing.assert_array_equal(copy.flat, row)
 
 
 def test_folding_one_buffer_updates_equals_folding_tensor_by_tensor() -> None:
     from flotilla.aggregation import make_aggregator, parse_params
-    from flotilla.core.tensors import TensorSpec
+    from flotilla.core.tensors import FlatState, TensorSpec
 
     layout = (TensorSpec("a", "F32", (30, 40)), TensorSpec("b", "F32", (50,)))
     rng = np.random.default_rng(0)
     rows = rng.standard_normal((4, 1250)).astype(np.float32)
-    joined = [{"a": r[:1200].reshape(30, 40), "b": r[1200:]} for r in rows]
+    joined = [FlatState(r, layout) for r in rows]
     apart = [{k: v.copy() for k, v in u.items()} for u in joined]
     results = []
     for updates in (joined, apart):

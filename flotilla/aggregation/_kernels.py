@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 
 from flotilla.core.errors import SpecError, UpdateRejected
-from flotilla.core.tensors import ModelState, TensorSpec
+from flotilla.core.tensors import FlatState, ModelState, TensorSpec
 
 #: Elements per block: a temporary of 1 MiB (float32), small against any model we serve.
 BLOCK = 1 << 18
@@ -154,54 +154,18 @@ def check_state(layout: tuple[TensorSpec, ...], state: Mapping[str, np.ndarray],
             raise SpecError(f"{what}: tensor {name!r} has shape {list(np.shape(state[name]))}")
 
 
-def zeros(layout: tuple[TensorSpec, ...]) -> ModelState:
-    """float32 zeros per tensor, as views of one buffer (see :func:`flat_view`); pages are
-    only committed as they are written."""
-    buffer = np.zeros(sum(numel(s) for s in layout), dtype=np.float32)
-    out: ModelState = {}
-    start = 0
-    for s in layout:
-        out[s.name] = buffer[start : start + numel(s)].reshape(s.shape)
-        start += numel(s)
-    return out
-
-
-def _root(arr: np.ndarray) -> object:
-    base: object = arr
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    return base
+def zeros(layout: tuple[TensorSpec, ...]) -> FlatState:
+    """float32 zeros, as views of one buffer; pages are only committed as they are written."""
+    return FlatState(np.zeros(sum(numel(s) for s in layout), dtype=np.float32), layout)
 
 
 def flat_view(state: Mapping[str, np.ndarray], layout: tuple[TensorSpec, ...]) -> np.ndarray | None:
-    """One 1-D view over all of ``state`` when its float32 tensors lie back to back, in
-    layout order, in one buffer (as :func:`zeros` makes them, or a simulator's batched
-    trainer); None otherwise. A model of many small tensors is then one pass, not one
-    call per tensor."""
-    if not layout:
-        return None
-    arrays = [state[s.name] for s in layout]
-    first = arrays[0]
-    if not isinstance(first, np.ndarray):
-        return None
-    root = _root(first)
-    address = first.__array_interface__["data"][0]
-    for arr in arrays:
-        if (
-            not isinstance(arr, np.ndarray)
-            or arr.dtype != np.float32
-            or not arr.flags.c_contiguous
-            or arr.__array_interface__["data"][0] != address
-            or _root(arr) is not root
-        ):
-            return None
-        address += arr.nbytes
-    # Same buffer, consecutive addresses: the span lies inside that buffer.
-    total = sum(arr.size for arr in arrays)
-    view: np.ndarray = np.lib.stride_tricks.as_strided(
-        first.reshape(-1), shape=(total,), strides=(4,), writeable=first.flags.writeable
-    )
-    return view
+    """The whole of ``state`` as one 1-D array when it is a :class:`FlatState` in
+    ``layout``'s order; a model of many small tensors is then one pass, not one call per
+    tensor. None otherwise."""
+    if isinstance(state, FlatState) and state.names == tuple(s.name for s in layout):
+        return state.flat
+    return None
 
 
 def apply_step(global_state: Mapping[str, np.ndarray], step: ModelState, lr: float) -> ModelState:

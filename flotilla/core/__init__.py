@@ -37,6 +37,7 @@ from flotilla.core.records import (
 )
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import (
+    FlatState,
     ModelState,
     TensorSpec,
     check_finite,
@@ -59,6 +60,7 @@ __all__ = [
     "BlobStore",
     "DeviceProfile",
     "DeviceRecord",
+    "FlatState",
     "FlotillaError",
     "IntegrityError",
     "JobRecord",

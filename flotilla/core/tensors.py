@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +54,41 @@ class TensorSpec:
     def nbytes(self) -> int:
         # Python ints: a hostile shape must not wrap around int64 to match a small span.
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+class FlatState(dict[str, np.ndarray]):
+    """A model state whose float32 tensors are views of one 1-D buffer, back to back in
+    layout order, so a pass over the whole model is one array operation (aggregators fold
+    and check such updates in one go). Its keys are fixed: assigning one raises."""
+
+    __slots__ = ("flat", "layout", "names")
+
+    def __init__(self, flat: np.ndarray, layout: Sequence[TensorSpec]) -> None:
+        if flat.dtype != np.float32 or flat.ndim != 1 or not flat.flags.c_contiguous:
+            raise ValueError("a FlatState needs a contiguous 1-D float32 buffer")
+        sizes = [math.prod(s.shape) for s in layout]
+        if sum(sizes) != flat.size:
+            raise ValueError(f"layout holds {sum(sizes)} elements, the buffer {flat.size}")
+        start = 0
+        views = {}
+        for spec, size in zip(layout, sizes, strict=True):
+            views[spec.name] = flat[start : start + size].reshape(spec.shape)
+            start += size
+        super().__init__(views)
+        self.flat = flat
+        self.layout = tuple(layout)
+        self.names = tuple(views)
+
+    def __reduce__(self) -> tuple[type[FlatState], tuple[np.ndarray, tuple[TensorSpec, ...]]]:
+        return FlatState, (self.flat, self.layout)
+
+    def __setitem__(self, key: str, value: np.ndarray) -> None:
+        raise TypeError("a FlatState's tensors are views of one buffer; write into them")
+
+    def _fixed(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a FlatState's keys are fixed")
+
+    __delitem__ = update = pop = popitem = clear = setdefault = _fixed  # type: ignore[assignment]
 
 
 def state_spec(state: Mapping[str, np.ndarray]) -> tuple[TensorSpec, ...]:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from flotilla.core.spec import DataSection, TrainSection
-from flotilla.core.tensors import ModelState
+from flotilla.core.tensors import FlatState, ModelState, TensorSpec
 
 #: Memory a batched group may use on a CPU; a CUDA device uses half of what is free.
 CPU_GROUP_BYTES = 2 * 1024**3
@@ -249,16 +249,15 @@ class BatchedTrainer:
         flat.sub_(torch.cat([base[n].reshape(-1) for n in names]))
         rows_np = flat.cpu().numpy()
         columns = {k: v.cpu().numpy().tolist() for k, v in metrics.items()}
-        bounds = np.cumsum([0, *sizes])
-        shapes = [tuple(base[n].shape) for n in names]
-        out = []
-        for i in range(count):
-            row = rows_np[i]
-            delta = {
-                n: row[bounds[j] : bounds[j + 1]].reshape(shapes[j]) for j, n in enumerate(names)
-            }
-            out.append(ClientResult(int(counts[i]), {k: v[i] for k, v in columns.items()}, delta))
-        return out
+        layout = tuple(TensorSpec(n, "F32", tuple(base[n].shape)) for n in names)
+        return [
+            ClientResult(
+                int(counts[i]),
+                {k: v[i] for k, v in columns.items()},
+                FlatState(rows_np[i], layout),
+            )
+            for i in range(count)
+        ]
 
     def _evaluate(self, params: dict[str, Any], vals: list[Any]) -> dict[str, Any]:
         import torch
