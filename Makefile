@@ -34,6 +34,7 @@ bench:
 	$(PY) benchmarks/federation.py --quick
 	$(PY) benchmarks/aggregation.py --quick
 	$(PY) benchmarks/compression.py --quick
+	$(PY) benchmarks/simulation.py --quick
 
 proto:
 	$(PY) -m flotilla.proto.generate
