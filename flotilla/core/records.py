@@ -52,6 +52,23 @@ class JobRecord:
     def terminal(self) -> bool:
         return self.state in TERMINAL_STATES
 
+    @classmethod
+    def submitted(
+        cls, job_id: str, name: str, spec_json: str, rounds: int, checkpoint: str, now: float
+    ) -> JobRecord:
+        """A new job: pending, nothing committed, its round-0 model at ``checkpoint``."""
+        return cls(
+            id=job_id,
+            name=name,
+            spec_json=spec_json,
+            state="pending",
+            rounds_total=rounds,
+            rounds_committed=0,
+            checkpoint_sha256=checkpoint,
+            created_at=now,
+            updated_at=now,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class ParticipationRecord:

@@ -224,18 +224,13 @@ class FederationServer:
             raise SpecError(f"job.task: {exc}") from exc
         sha = await asyncio.to_thread(self.blobs.put, model_bytes)
         await self.store.add_checkpoint(sha, len(model_bytes))
-        now = time.time()
-        job = JobRecord(
-            id="job-" + uuid.uuid4().hex[:10],
-            name=spec.job.name,
-            spec_json=spec.to_json(),
-            state="pending",
-            rounds_total=spec.job.rounds,
-            rounds_committed=0,
-            checkpoint_sha256=sha,
-            created_at=now,
-            updated_at=now,
-            metrics={},
+        job = JobRecord.submitted(
+            "job-" + uuid.uuid4().hex[:10],
+            spec.job.name,
+            spec.to_json(),
+            spec.job.rounds,
+            sha,
+            time.time(),
         )
         await self.store.add_job(job)
         self._start_runner(job)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from flotilla.core.blobstore import BlobStore
-from flotilla.core.errors import SpecError
+from flotilla.core.errors import FlotillaError, SpecError
 from flotilla.core.records import JobRecord, RoundCommit
 from flotilla.core.spec import JobSpec
 from flotilla.engine import EngineConfig, JobRunner, initial_model, server_evaluator
@@ -184,7 +184,7 @@ async def _simulate(
         gc.freeze()
         try:
             await asyncio.wait_for(
-                asyncio.gather(*(r.run() for r in runners)),
+                asyncio.gather(*(_run_job(r, ledger) for r in runners)),
                 timeout=experiment.simulation.max_simulated_s,
             )
         except asyncio.TimeoutError:
@@ -233,6 +233,15 @@ async def _simulate(
     }
 
 
+async def _run_job(runner: JobRunner, ledger: SimLedger) -> None:
+    """One job to its end; a job that fails is recorded as failed, the others go on."""
+    try:
+        await runner.run()
+    except FlotillaError as exc:
+        log.error("job %s failed: %s", runner.job.name, exc)
+        await ledger.set_job_state(runner.job.id, "failed")
+
+
 def _trainers(experiment: Experiment, devices: list[str], backend: str) -> dict[str, ClientTrainer]:
     """One trainer per task: in this process on one device, else one worker per device."""
     from flotilla.tasks import load_task
@@ -241,6 +250,11 @@ def _trainers(experiment: Experiment, devices: list[str], backend: str) -> dict[
         raise SpecError(f"--backend must be local or ray, got {backend!r}")
     if not devices:
         raise SpecError("--devices names no device")
+    if any(d.startswith("cuda") for d in devices) and backend == "local":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SpecError(f"--devices {','.join(devices)}: this machine has no CUDA device")
     choice = experiment.simulation.trainer
     batched = None if choice == "auto" else choice == "batched"
     clients = experiment.population.clients
@@ -282,16 +296,8 @@ def _runner(
     clock: Any,
 ) -> JobRunner:
     sha = blobs.put(initial_model(spec))
-    job = JobRecord(
-        id=f"job-{index}",
-        name=spec.job.name,
-        spec_json=spec.to_json(),
-        state="pending",
-        rounds_total=spec.job.rounds,
-        rounds_committed=0,
-        checkpoint_sha256=sha,
-        created_at=clock(),
-        updated_at=clock(),
+    job = JobRecord.submitted(
+        f"job-{index}", spec.job.name, spec.to_json(), spec.job.rounds, sha, clock()
     )
     ledger.add(job)
     return JobRunner(
