@@ -337,16 +337,17 @@ def test_simulate_writes_metrics_summary_and_plots(tmp_path: Path) -> None:
 
 def test_same_seed_same_metrics_and_another_seed_differs(tmp_path: Path) -> None:
     path = experiment_file(tmp_path)
-    for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
-        simulate(path, tmp_path / name, "--seed", seed, "--no-progress")
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        run_experiment(load_experiment(path, seed=seed), tmp_path / name, progress=False)
     a, b, c = (without_wall(rows(tmp_path / n)) for n in "abc")
+    assert len(a) == 4
     assert a == b
     assert a != c
 
 
 def test_two_workers_give_the_same_result_as_one(tmp_path: Path) -> None:
     path = experiment_file(tmp_path, "\n[simulation]\nseed = 4\n")
-    simulate(path, tmp_path / "one", "--no-progress")
+    run_experiment(load_experiment(path), tmp_path / "one", progress=False)
     done = simulate(path, tmp_path / "two", "--devices", "cpu,cpu", "--json", "--no-progress")
     assert "WorkerPoolTrainer" in json.dumps(json.loads(done.stdout)["trainer"])
     one, two = without_wall(rows(tmp_path / "one")), without_wall(rows(tmp_path / "two"))
