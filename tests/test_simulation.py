@@ -596,3 +596,30 @@ def test_the_example_experiment_reaches_ninety_percent(tmp_path: Path) -> None:
     dropped = sum(r["dropouts"] for r in metrics)
     selected = 130 * len(metrics)
     assert 0.12 < dropped / selected < 0.28, "about 20% of the selected devices drop out"
+
+
+def test_devices_train_only_while_online(tmp_path: Path) -> None:
+    """Exponential on/off sessions: every participation lies inside an online session of
+    its device, and devices whose session ends mid-round count as dropouts."""
+    body = """
+[population.availability]
+kind = "exponential"
+mean_on_s = 60.0
+mean_off_s = 60.0
+"""
+    path = experiment_file(tmp_path, body)
+    experiment = load_experiment(path, ["population.dropout=0.0", "job.rounds=6"])
+    run_experiment(experiment, tmp_path / "out", progress=False)
+    metrics = rows(tmp_path / "out")
+    assert len(metrics) == 6
+    assert sum(r["dropouts"] for r in metrics) > 0, "sessions end mid-round"
+    pop = experiment.population
+    devices = {d.device_id: d for d in draw_devices(pop, experiment.population_seed)}
+    for p in rows(tmp_path / "out", "participation.jsonl"):
+        index = devices[p["device"]].index
+        online_from = None
+        for t, online in sessions(pop.availability, experiment.population_seed, index):
+            if t > p["finished_at"]:
+                break
+            online_from = t if online else None
+        assert online_from is not None and online_from <= p["started_at"], p
