@@ -118,6 +118,11 @@ def check_update(
 
     ``finite=False`` leaves NaN/Inf to a caller that reads every value anyway (DP's norm).
     """
+    if isinstance(update, FlatState) and update.layout == layout:
+        # Names, shapes and dtype hold by construction: only the values need a look.
+        if finite and not all_finite(update.flat):
+            _name_non_finite(update, layout)
+        return
     want = {s.name for s in layout}
     have = set(update)
     if have != want:
@@ -131,11 +136,12 @@ def check_update(
             raise UpdateRejected(
                 f"tensor {spec.name!r}: shape {list(arr.shape)}, expected {list(spec.shape)}"
             )
-    if not finite:
-        return
-    whole = flat_view(update, layout)
-    if whole is not None and all_finite(whole):
-        return
+    if finite:
+        _name_non_finite(update, layout)
+
+
+def _name_non_finite(update: Mapping[str, np.ndarray], layout: tuple[TensorSpec, ...]) -> None:
+    """UpdateRejected naming the first tensor with a NaN or Inf, if there is one."""
     for spec in layout:
         if not all_finite(update[spec.name]):
             raise UpdateRejected(f"tensor {spec.name!r} contains NaN or Inf")
