@@ -623,3 +623,21 @@ mean_off_s = 60.0
                 break
             online_from = t if online else None
         assert online_from is not None and online_from <= p["started_at"], p
+
+
+def test_task_parameters_send_batched_training_to_the_task_s_own_loop() -> None:
+    from flotilla.tasks import model_state
+    from flotilla.tasks.digits import DigitsTask
+
+    task = DigitsTask()
+    data = DataSection(params={"augment": True})
+    shards = ShardCache(task, 100)
+    model = model_state(task.build_model(0))
+    train = TrainSection(params={"anything": 1.0})
+    batched = BatchedTrainer(task, shards)
+    got = batched.train(model, [1, 2], train, data, seed=3)
+    want = LoopTrainer(task, shards).train(model, [1, 2], train, data, seed=3)
+    for a, b in zip(want, got, strict=True):
+        for name in a.delta:
+            np.testing.assert_array_equal(a.delta[name], b.delta[name])
+    assert batched._loop is not None, "the loop ran, not the vectorized recipe"

@@ -125,6 +125,7 @@ class BatchedTrainer:
         self.device = torch.device(device)
         self._model = task.build_model(0).to(self.device)
         self._group_bytes = group_bytes
+        self._loop: LoopTrainer | None = None
 
     def group_size(self, train: TrainSection, params: int, features: int) -> int:
         """Clients per group: what fits the memory budget (parameters, gradients, momentum,
@@ -151,6 +152,12 @@ class BatchedTrainer:
     ) -> list[ClientResult]:
         if not clients:
             return []
+        if train.params:
+            # Task parameters can change how the task trains, which the batched recipe
+            # would not know: the task's own loop is the faithful path.
+            if self._loop is None:
+                self._loop = LoopTrainer(self.task, self.shards)
+            return self._loop.train(global_state, clients, train, data, seed)
         locals_ = [self.shards.get(data, c) for c in clients]
         params = sum(int(np.prod(v.shape)) for v in global_state.values())
         features = int(np.prod(locals_[0].train[0].shape[1:]))
