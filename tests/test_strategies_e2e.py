@@ -57,8 +57,11 @@ def jobs(federation: ServerProcess) -> dict[str, dict]:
             "aggregation.strategy=dp_fedavg", "aggregation.params.noise_multiplier=1.5",
             "aggregation.params.clip_norm=0.5", "aggregation.params.epsilon=6.0",
         ),
+        # More rounds than the others: once it has the fleet to itself, devices serve it
+        # in consecutive rounds and hold its last broadcast (a device serving another job
+        # in between holds that job's model instead), so deltas are certain to be used.
         "delta": federation.submit(
-            EXAMPLE, *common, "job.rounds=10", "job.name=delta-downlink",
+            EXAMPLE, *common, "job.rounds=20", "job.name=delta-downlink",
             "compression.downlink=int8", "compression.downlink_delta=true",
         ),
         "fedbuff": federation.submit(
