@@ -341,17 +341,18 @@ def _plot(ledger: SimLedger, out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for x_key, x_label, name in (
-        ("simulated_time", "simulated time (h)", "accuracy_vs_time.png"),
-        ("round", "round", "accuracy_vs_round.png"),
+    end = max((r["simulated_time"] for rows in ledger.history.values() for r in rows), default=0)
+    unit, per = ("s", 1.0) if end < 120 else ("min", 60.0) if end < 7200 else ("h", 3600.0)
+    for x_key, x_label, name, scale in (
+        ("simulated_time", f"simulated time ({unit})", "accuracy_vs_time.png", per),
+        ("round", "round", "accuracy_vs_round.png", 1.0),
     ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for job_id, rows in ledger.history.items():
-            points = [(r[x_key], r["accuracy"]) for r in rows if "accuracy" in r]
-            if not points:
-                continue
-            xs = [x / 3600 if x_key == "simulated_time" else x for x, _ in points]
-            ax.plot(xs, [y for _, y in points], marker=".", label=ledger.jobs[job_id].name)
+            points = [(r[x_key] / scale, r["accuracy"]) for r in rows if "accuracy" in r]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker=".", label=ledger.jobs[job_id].name)
         ax.set_xlabel(x_label)
         ax.set_ylabel("held-out accuracy")
         ax.grid(alpha=0.3)
