@@ -52,6 +52,7 @@ from typing import Any
 import grpc
 import numpy as np
 import psutil
+from provenance import revision  # benchmarks/ is the script's sys.path[0]
 
 from flotilla.client.agent import Agent, AgentConfig
 from flotilla.client.training import TrainOutcome
@@ -558,25 +559,6 @@ class Report:
             "derived": derived(self.configs),
             "notes": self.notes,
         }
-
-
-def revision() -> dict[str, Any]:
-    """The commit measured, and whether the working tree differed from it."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return {"commit": head, "modified": sorted(line[3:] for line in dirty if line.strip())}
 
 
 def derived(configs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -57,7 +57,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from provenance import revision  # benchmarks/ is the script's sys.path[0]
 from torch import nn
 
 from flotilla.core.spec import DataSection, TrainSection
@@ -532,25 +532,6 @@ class Report:
             "floors": self.floors,
             "notes": self.notes,
         }
-
-
-def revision() -> dict[str, Any]:
-    """The commit measured, and the tracked files that differed from it."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return {"commit": head, "modified": sorted(line[3:] for line in dirty if line.strip())}
 
 
 def run(plan: Plan, mode: str, work: Workload, keep: bool = False) -> Report:

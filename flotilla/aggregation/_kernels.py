@@ -169,7 +169,7 @@ def flat_view(state: Mapping[str, np.ndarray], layout: tuple[TensorSpec, ...]) -
     """The whole of ``state`` as one 1-D array when it is a :class:`FlatState` in
     ``layout``'s order; a model of many small tensors is then one pass, not one call per
     tensor. None otherwise."""
-    if isinstance(state, FlatState) and state.names == tuple(s.name for s in layout):
+    if isinstance(state, FlatState) and state.layout == layout:
         return state.flat
     return None
 

@@ -61,7 +61,7 @@ class FlatState(dict[str, np.ndarray]):
     layout order, so a pass over the whole model is one array operation (aggregators fold
     and check such updates in one go). Its keys are fixed: assigning one raises."""
 
-    __slots__ = ("flat", "layout", "names")
+    __slots__ = ("flat", "layout")
 
     def __init__(self, flat: np.ndarray, layout: Sequence[TensorSpec]) -> None:
         if flat.dtype != np.float32 or flat.ndim != 1 or not flat.flags.c_contiguous:
@@ -77,7 +77,6 @@ class FlatState(dict[str, np.ndarray]):
         super().__init__(views)
         self.flat = flat
         self.layout = tuple(layout)
-        self.names = tuple(views)
 
     def __reduce__(self) -> tuple[type[FlatState], tuple[np.ndarray, tuple[TensorSpec, ...]]]:
         return FlatState, (self.flat, self.layout)

@@ -41,9 +41,8 @@ class _TrainerActor:
         train: TrainSection,
         data: DataSection,
         seed: int,
-    ) -> list[tuple[int, dict[str, float], ModelState]]:
-        results = self._trainer.train(global_state, clients, train, data, seed)
-        return [(r.num_samples, r.metrics, r.delta) for r in results]
+    ) -> list[ClientResult]:
+        return self._trainer.train(global_state, clients, train, data, seed)
 
 
 def start_ray(num_cpus: int | None = None) -> bool:
@@ -132,10 +131,7 @@ class RayTrainer:
             )
             if part
         ]
-        out: list[ClientResult] = []
-        for results in ray.get(calls, timeout=ROUND_TIMEOUT_S):
-            out += [ClientResult(n, m, d) for n, m, d in results]
-        return out
+        return [r for results in ray.get(calls, timeout=ROUND_TIMEOUT_S) for r in results]
 
     def close(self) -> None:
         import ray

@@ -268,7 +268,7 @@ def _trainers(experiment: Experiment, devices: list[str], backend: str) -> dict[
 
                 trainers[name] = RayTrainer(name, shards, devices, batched)
             elif len(devices) > 1:
-                trainers[name] = WorkerPoolTrainer(task, name, shards, devices, batched)
+                trainers[name] = WorkerPoolTrainer(name, shards, devices, batched)
             else:
                 trainers[name] = make_trainer(task, shards, devices[0], batched)
     except BaseException:

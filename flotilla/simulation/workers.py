@@ -40,7 +40,7 @@ def _serve(conn: Connection, task_name: str, count: int, device: str, batched: b
             return
         try:
             results = trainer.train(*request)
-            conn.send(("ok", [(r.num_samples, r.metrics, r.delta) for r in results]))
+            conn.send(("ok", results))
         except Exception as exc:  # reported to the parent, which raises it
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -50,7 +50,6 @@ class WorkerPoolTrainer:
 
     def __init__(
         self,
-        task: Any,
         task_name: str,
         shards: ShardCache,
         devices: Sequence[str],
@@ -59,7 +58,6 @@ class WorkerPoolTrainer:
         if not devices:
             raise FlotillaError("a worker pool needs at least one device")
         self.shards = shards
-        self.devices = tuple(devices)
         ctx = mp.get_context("spawn")
         cpu_workers = sum(1 for d in devices if not d.startswith("cuda"))
         threads = max(1, (mp.cpu_count() or 1) // max(cpu_workers, 1))
@@ -96,8 +94,7 @@ class WorkerPoolTrainer:
                 busy.append(conn)
         out: list[ClientResult] = []
         for conn in busy:
-            _, results = self._expect(conn, ROUND_TIMEOUT_S)
-            out += [ClientResult(n, m, d) for n, m, d in results]
+            out += self._expect(conn, ROUND_TIMEOUT_S)[1]
         return out
 
     @staticmethod
