@@ -150,9 +150,11 @@ def _server_parser(commands: Any) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from flotilla.core.timeouts import Timeouts
     from flotilla.server.app import FederationServer, ServerConfig
+    from flotilla.server.process import single_threaded_blas
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SpecError("--tls-cert and --tls-key go together")
+    single_threaded_blas()
     config = ServerConfig(
         host=args.host,
         port=args.port,

@@ -71,7 +71,9 @@ async def _federate(state: Path, agents: int, rounds: int, jobs: int, quiet: boo
 
     from flotilla.server import auth
     from flotilla.server.app import FederationServer, ServerConfig
+    from flotilla.server.process import single_threaded_blas
 
+    single_threaded_blas()  # this process is the demo's server
     server = FederationServer(ServerConfig(port=0, state_dir=state))
     port = await server.start()
     token = auth.new_secret()

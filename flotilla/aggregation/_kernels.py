@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 
 from flotilla.core.errors import SpecError, UpdateRejected
-from flotilla.core.tensors import FlatState, ModelState, TensorSpec
+from flotilla.core.tensors import FlatState, ModelState, TensorSpec, all_finite
 
 #: Elements per block: a temporary of 1 MiB (float32), small against any model we serve.
 BLOCK = 1 << 18
@@ -77,20 +77,6 @@ def axpy(acc: np.ndarray, x: np.ndarray, a: float) -> None:
             part = tmp[: sl.stop - sl.start]
             np.multiply(fx[sl], scale, out=part, casting="unsafe")
             np.add(fa[sl], part, out=fa[sl])
-
-
-def all_finite(arr: np.ndarray) -> bool:
-    """True when no element is NaN or Inf, without a tensor-sized boolean temporary."""
-    if arr.dtype.kind != "f":
-        return True
-    fx = flat(arr)
-    if fx.dtype in (np.float32, np.float64):
-        # BLAS dot is one read of the tensor; NaN/Inf anywhere makes it non-finite. A
-        # non-finite result may also be overflow of finite values: then look properly.
-        with np.errstate(over="ignore", invalid="ignore"):
-            if np.isfinite(np.dot(fx, fx)):
-                return True
-    return all(bool(np.isfinite(fx[sl]).all()) for sl in blocks(fx.size))
 
 
 def squared_norm(arr: np.ndarray) -> float:

@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
-from flotilla.aggregation._kernels import all_finite, numel
+from flotilla.aggregation._kernels import numel
 from flotilla.aggregation.base import (
     RoundGuard,
     Traits,
@@ -30,7 +30,7 @@ from flotilla.aggregation.base import (
 )
 from flotilla.aggregation.spool import SpoolLimits, UpdateSpool
 from flotilla.core.errors import UpdateRejected
-from flotilla.core.tensors import ModelState, TensorSpec
+from flotilla.core.tensors import ModelState, TensorSpec, all_finite
 
 #: Bytes of one column block across all spooled updates.
 COLUMN_BLOCK_BYTES = 16 << 20

@@ -25,9 +25,10 @@ from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
 from flotilla.core.errors import AuthError, FlotillaError
 from flotilla.core.files import write_private
 from flotilla.core.timeouts import Timeouts
-from flotilla.proto import PROTOCOL_VERSION
+from flotilla.proto import PROTOCOL_VERSION, bulk
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
+from flotilla.proto.bulk import BlobPiece
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class Agent:
         self._model: tuple[str, memoryview] | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.AgentStub
+        self._fetch_model: grpc.aio.UnaryStreamMultiCallable[pb.FetchModelRequest, BlobPiece]
+        self._submit_update: grpc.aio.StreamUnaryMultiCallable[bytes, pb.SubmitReply]
         self._pending_profile: pb.DeviceProfile | None = None
         self.rounds_done = 0
 
@@ -68,6 +71,17 @@ class Agent:
     async def run(self) -> None:
         self._channel = open_channel(self.config.server, self.config.tls_ca)
         self._stub = pb_grpc.AgentStub(self._channel)
+        # The bulk calls, framed by hand (flotilla.proto.bulk) to spare model-sized copies.
+        self._fetch_model = self._channel.unary_stream(
+            "/flotilla.v1.Agent/FetchModel",
+            request_serializer=pb.FetchModelRequest.SerializeToString,
+            response_deserializer=bulk.read_blob_chunk,
+        )
+        self._submit_update = self._channel.stream_unary(
+            "/flotilla.v1.Agent/SubmitUpdate",
+            request_serializer=None,  # the messages are serialized already
+            response_deserializer=pb.SubmitReply.FromString,
+        )
         try:
             await self._connect()
             while True:
@@ -252,7 +266,7 @@ class Agent:
         if size > self.config.max_model_bytes:
             raise FlotillaError(f"model of {size} bytes is over this device's limit")
         assembler = BlobAssembler(size, sha256, self.config.max_model_bytes)
-        call = self._stub.FetchModel(
+        call = self._fetch_model(
             pb.FetchModelRequest(job_id=task.job_id, sha256=sha256),
             metadata=self._metadata(),
             timeout=self.config.timeouts.transfer,
@@ -295,12 +309,12 @@ class Agent:
             reservation=reserved.reservation,
         )
 
-        async def chunks() -> AsyncIterator[pb.UpdateChunk]:
-            yield pb.UpdateChunk(header=header)
+        async def chunks() -> AsyncIterator[bytes]:
+            yield bulk.update_header(header)
             for piece in iter_chunks(outcome.payload):
-                yield pb.UpdateChunk(data=bytes(piece))
+                yield bulk.update_data(piece)
 
-        reply = await self._stub.SubmitUpdate(
+        reply = await self._submit_update(
             chunks(), metadata=self._metadata(), timeout=self.config.timeouts.transfer
         )
         log.info("round %d of %s: %s", task.round, task.job_id, reply.detail)

@@ -21,6 +21,7 @@ from flotilla.core.tensors import (
     DTYPES,
     MAX_DIMS,
     TensorSpec,
+    all_finite,
     encode_state,
     read_header,
     read_metadata,
@@ -89,14 +90,6 @@ def as_flat_f32(value: np.ndarray, name: str) -> np.ndarray:
     if not all_finite(flat):
         raise UpdateRejected(f"tensor {name!r} contains NaN or Inf (as float32); not encoded")
     return flat
-
-
-def all_finite(x: np.ndarray) -> bool:
-    """True when every element is finite; one fast sum first, an exact pass only if needed."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        if math.isfinite(float(np.sum(x))):
-            return True
-    return bool(np.isfinite(x).all())
 
 
 class WireCodec:

@@ -9,9 +9,9 @@ from typing import ClassVar
 import numpy as np
 
 from flotilla.compression.bits import bf16_bits_to_f32, f32_to_bf16_bits
-from flotilla.compression.codec import CodecContext, Pieces, WireCodec, all_finite
+from flotilla.compression.codec import CodecContext, Pieces, WireCodec
 from flotilla.core.errors import WireError
-from flotilla.core.tensors import TensorSpec
+from flotilla.core.tensors import TensorSpec, all_finite
 
 #: float16's largest finite value: fp16 saturates here instead of overflowing to infinity.
 F16_MAX = 65504.0

@@ -14,7 +14,6 @@ from flotilla.compression.codec import (
     CodecContext,
     Pieces,
     WireCodec,
-    all_finite,
     check_bool,
     check_choice,
     check_fraction,
@@ -22,7 +21,7 @@ from flotilla.compression.codec import (
 )
 from flotilla.compression.floats import from_f16, to_f16
 from flotilla.core.errors import WireError
-from flotilla.core.tensors import TensorSpec
+from flotilla.core.tensors import TensorSpec, all_finite
 
 #: Elements sampled to guess the top-k threshold before the exact pass.
 _SAMPLE = 1 << 16

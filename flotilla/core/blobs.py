@@ -49,7 +49,7 @@ class BlobAssembler:
     def received(self) -> int:
         return self._pos
 
-    def add(self, chunk: bytes, offset: int | None = None) -> None:
+    def add(self, chunk: bytes | memoryview, offset: int | None = None) -> None:
         if offset is not None and offset != self._pos:
             raise WireError(f"chunk at offset {offset}, expected {self._pos}")
         end = self._pos + len(chunk)

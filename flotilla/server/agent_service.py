@@ -30,6 +30,7 @@ from flotilla.engine.backend import TrainTask
 from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
+from flotilla.proto.bulk import UpdatePart
 from flotilla.server.budget import ByteBudget
 
 if TYPE_CHECKING:
@@ -243,11 +244,11 @@ class AgentService(pb_grpc.AgentServicer):
         idle = self.server.config.timeouts.upload_idle
         gateway = self.server.gateway
         async with contextlib.aclosing(self.server.stream_blob(request.sha256)) as chunks:
-            async for chunk in chunks:
-                gateway.count_download(device.id, request.sha256, len(chunk.data))
+            async for message, size in chunks:
+                gateway.count_download(device.id, request.sha256, size)
                 try:
                     # A reader that stops reading must not hold a download slot forever.
-                    await asyncio.wait_for(context.write(chunk), idle)
+                    await asyncio.wait_for(context.write(message), idle)
                 except asyncio.TimeoutError:
                     await context.abort(
                         grpc.StatusCode.DEADLINE_EXCEEDED, f"download stalled for {idle:.0f}s"
@@ -255,7 +256,7 @@ class AgentService(pb_grpc.AgentServicer):
                 self.server.pool.touch(device.id)  # a long download is a sign of life
 
     async def SubmitUpdate(
-        self, request_iterator: AsyncIterator[pb.UpdateChunk], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[UpdatePart], context: grpc.aio.ServicerContext
     ) -> pb.SubmitReply:
         device = await self._device(context)
         try:
@@ -269,14 +270,14 @@ class AgentService(pb_grpc.AgentServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.SubmitReply(accepted=True, detail="aggregated")
 
-    async def _receive(self, device: DeviceRecord, chunks: AsyncIterator[pb.UpdateChunk]) -> None:
+    async def _receive(self, device: DeviceRecord, chunks: AsyncIterator[UpdatePart]) -> None:
         try:
             first = await asyncio.wait_for(
                 anext(aiter(chunks), None), self.server.config.timeouts.upload_idle
             )
         except asyncio.TimeoutError:
             raise WireError("no update header arrived") from None
-        if first is None or first.WhichOneof("part") != "header":
+        if first is None or first.header is None:
             raise WireError("the first message of an update must be its header")
         head = first.header
         gateway = self.server.gateway
@@ -358,7 +359,7 @@ class AgentService(pb_grpc.AgentServicer):
         return pb.ReserveUploadReply(reservation=reservation, expires_in_s=self._reservations.ttl_s)
 
     async def _read(
-        self, chunks: AsyncIterator[pb.UpdateChunk], assembler: BlobAssembler, device_id: str
+        self, chunks: AsyncIterator[UpdatePart], assembler: BlobAssembler, device_id: str
     ) -> memoryview:
         idle = self.server.config.timeouts.upload_idle
         stream = aiter(chunks)
@@ -369,7 +370,7 @@ class AgentService(pb_grpc.AgentServicer):
                 raise WireError(f"upload stalled: no data for {idle:.0f}s") from None
             if msg is None:
                 return assembler.finish()
-            if msg.WhichOneof("part") != "data":
+            if msg.data is None:
                 raise WireError("an update carries exactly one header")
             assembler.add(msg.data)
             self.server.pool.touch(device_id)

@@ -24,8 +24,8 @@ from flotilla.core.spec import JobSpec
 from flotilla.core.timeouts import Timeouts
 from flotilla.engine import EngineConfig, JobRunner, validate_spec
 from flotilla.engine.evaluation import initial_model, server_evaluator
+from flotilla.proto import bulk, handlers
 from flotilla.proto import flotilla_pb2 as pb
-from flotilla.proto import flotilla_pb2_grpc as pb_grpc
 from flotilla.scheduling import DevicePool, RandomSelector
 from flotilla.server import auth
 from flotilla.server.agent_service import AgentService, profile_from_pb
@@ -99,8 +99,14 @@ class FederationServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ]
         )
-        pb_grpc.add_AgentServicer_to_server(AgentService(self), self._grpc)
-        pb_grpc.add_OperatorServicer_to_server(OperatorService(self), self._grpc)
+        agent_codecs = {
+            "FetchModel": handlers.PRESERIALIZED,
+            "SubmitUpdate": handlers.Codecs(request_deserializer=bulk.read_update_chunk),
+        }
+        handlers.register(self._grpc, "Agent", AgentService(self), agent_codecs)
+        handlers.register(
+            self._grpc, "Operator", OperatorService(self), {"ExportModel": handlers.PRESERIALIZED}
+        )
         address = f"{self.config.host}:{self.config.port}"
         if self.config.tls_cert and self.config.tls_key:
             creds = grpc.ssl_server_credentials(
@@ -285,18 +291,17 @@ class FederationServer:
 
     # --- blobs ---------------------------------------------------------------------------
 
-    async def stream_blob(self, sha256: str) -> AsyncIterator[pb.BlobChunk]:
+    async def stream_blob(self, sha256: str) -> AsyncIterator[tuple[bytes, int]]:
+        """(serialized ``BlobChunk``, payload bytes in it) for each chunk of a blob."""
         size = self.blobs.size(sha256)
         offset = 0
         async with self.download_slots:
             for data in self.blobs.iter_chunks(sha256, self.config.download_chunk_bytes):
                 first = offset == 0
-                yield pb.BlobChunk(
-                    data=data,
-                    offset=offset,
-                    total_size=size if first else 0,
-                    sha256=sha256 if first else "",
+                message = bulk.blob_chunk(
+                    data, offset, total_size=size if first else 0, sha256=sha256 if first else ""
                 )
+                yield message, len(data)
                 offset += len(data)
         if size == 0:
             raise NotFoundError(f"blob {sha256} is empty")

@@ -107,11 +107,11 @@ class OperatorService(pb_grpc.OperatorServicer):
 
     async def ExportModel(
         self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.BlobChunk]:
+    ) -> AsyncIterator[bytes]:
         await self._operator(context)
         job = await self._job(request.job_id, context)
         try:
-            async for chunk in self.server.stream_blob(job.checkpoint_sha256):
-                yield chunk
+            async for message, _ in self.server.stream_blob(job.checkpoint_sha256):
+                yield message
         except NotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
