@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import grpc
@@ -87,6 +88,9 @@ def test_malformed_messages_are_wire_errors(raw: bytes) -> None:
 
 
 def test_register_refuses_overrides_for_methods_the_service_lacks() -> None:
-    server = grpc.aio.server()
-    with pytest.raises(ValueError, match="NoSuchMethod"):
+    async def attempt() -> None:
+        server = grpc.aio.server()
         handlers.register(server, "Agent", object(), {"NoSuchMethod": handlers.PRESERIALIZED})
+
+    with pytest.raises(ValueError, match="NoSuchMethod"):
+        asyncio.run(attempt())
