@@ -9,6 +9,7 @@ momentum) lives in the agent's state dir, so it survives a restart of the agent.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from flotilla.core.blobs import sha256_hex
 from flotilla.core.errors import TaskLoadError, WireError
 from flotilla.core.spec import CompressionSection, DataSection, TrainSection, build_dataclass
 from flotilla.core.tensors import ModelState, TensorSpec, decode_state, encode_state, state_spec
+from flotilla.core.update import COMPUTE_METRIC
 from flotilla.proto import flotilla_pb2 as pb
 
 
@@ -118,7 +120,10 @@ class LocalTrainer:
         global_state = decode_model(model_bytes, config)
         model = task.build_model(0)
         load_model_state(model, global_state)
+        started = time.perf_counter()
         num_samples, metrics = task.train(model, data, config.train, int(work.seed))
+        # Reported so the server's scheduler can tell compute from transfer time.
+        metrics = {**metrics, COMPUTE_METRIC: time.perf_counter() - started}
         metrics = {**metrics, **task.evaluate(model, data.val)}
         local = model_state(model)
         delta = {name: local[name] - global_state[name] for name in global_state}

@@ -97,6 +97,23 @@ class AggregationSection:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SchedulingSection:
+    """Which devices a round gets (docs/scheduling.md). The deadline and over-selection
+    it works with are ``job.round_deadline_s`` and ``job.over_selection``."""
+
+    #: One of ``flotilla.scheduling.SELECTOR_NAMES``: ``random``, ``fedcs``, ``greedy``,
+    #: ``oort``.
+    selector: str = "random"
+    #: The selector's parameters, e.g. ``{exploration = 0.5}`` for ``oort``; a name the
+    #: selector does not know is an error listing the ones it does.
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Weights of the job's scheduling cost ``alpha * T + beta * F``: T the predicted round
+    #: time (seconds), F the variance of how often each device was selected.
+    alpha: float = 1.0
+    beta: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class CompressionSection:
     """How updates shrink on the uplink and the model on the downlink (docs/compression.md)."""
 
@@ -123,6 +140,7 @@ class JobSpec:
     data: DataSection = dataclasses.field(default_factory=DataSection)
     aggregation: AggregationSection = dataclasses.field(default_factory=AggregationSection)
     compression: CompressionSection = dataclasses.field(default_factory=CompressionSection)
+    scheduling: SchedulingSection = dataclasses.field(default_factory=SchedulingSection)
 
     def __post_init__(self) -> None:
         _check_job(self)
@@ -194,6 +212,10 @@ def _check_job(spec: JobSpec) -> None:
         raise SpecError(f"train.update_momentum must be in [0, 1), got {train.update_momentum!r}")
     if not train.proximal_mu >= 0.0 or not math.isfinite(train.proximal_mu):
         raise SpecError(f"train.proximal_mu must be >= 0, got {train.proximal_mu!r}")
+    sched = spec.scheduling
+    for name, value in (("scheduling.alpha", sched.alpha), ("scheduling.beta", sched.beta)):
+        if not value >= 0.0 or not math.isfinite(value):
+            raise SpecError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def apply_override(data: dict[str, Any], item: str, source: str = "<overrides>") -> None:

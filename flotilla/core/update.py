@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 
 from flotilla.core.tensors import ModelState
 
+#: Update metrics the scheduler learns from: seconds the device spent training (the rest
+#: of its round was transfer), and its training loss (Oort's statistical utility).
+COMPUTE_METRIC = "compute_s"
+LOSS_METRIC = "train_loss"
+
 
 @dataclass(frozen=True, slots=True)
 class Update:

@@ -16,9 +16,8 @@ from collections.abc import AsyncIterator
 
 from flotilla.core.errors import UpdateRejected
 from flotilla.core.tensors import decode_state
-from flotilla.engine.backend import Delivered, Failed, RoundResult
+from flotilla.engine.backend import Failed, RoundResult
 from flotilla.engine.rounds import JobRunner, RoundTally, next_result
-from flotilla.scheduling import RoundOutcome
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +66,15 @@ async def run_buffered(runner: JobRunner) -> None:
             training.discard(device_id)
             runner.pool.release(device_id, runner.job.id)
             staleness = runner.job.rounds_committed - version
-            runner.fold(result, tally, staleness=staleness)
-            if isinstance(result, Delivered):
-                runner.selector.observe(
-                    RoundOutcome(runner.job.id, version + 1, {device_id: result.elapsed_s}, ())
-                )
+            one = RoundTally()  # this arrival alone, for the scheduler
+            if runner.fold(result, one, staleness=staleness):
+                tally.accepted += one.accepted
+                tally.durations.update(one.durations)
+            else:
+                tally.failures += one.failures
+            outcome = one.outcome(runner.job.id, version + 1, (device_id,))
+            runner.pool.record(outcome)
+            runner.selector.observe(outcome)
             del result
             if not aggregator.ready():  # type: ignore[attr-defined]
                 continue

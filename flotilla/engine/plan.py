@@ -18,6 +18,7 @@ from flotilla.compression import Codec, make_codec
 from flotilla.core.errors import SpecError
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import TensorSpec
+from flotilla.scheduling import selector_params
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,5 +72,6 @@ def _codec(field: str, name: str, params: Mapping[str, Any]) -> Codec:
 
 
 def validate_spec(spec: JobSpec) -> None:
-    """Refuse a spec whose strategy or codecs are unknown or misconfigured."""
+    """Refuse a spec whose strategy, codecs or selector are unknown or misconfigured."""
     JobPlan.from_spec(spec)
+    selector_params(spec.scheduling)

@@ -8,7 +8,7 @@ import logging
 import math
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from flotilla.core.tensors import (
     encode_state_parts,
     state_spec,
 )
+from flotilla.core.update import COMPUTE_METRIC, LOSS_METRIC
 from flotilla.engine.backend import Backend, Delivered, Failed, RoundResult, TrainTask
 from flotilla.engine.broadcast import Broadcast, Broadcaster
 from flotilla.engine.plan import JobPlan
@@ -53,6 +54,26 @@ class RoundTally:
     accepted: list[ParticipationRecord] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     durations: dict[str, float] = field(default_factory=dict)
+
+    def outcome(self, job_id: str, round_no: int, selected: Sequence[str]) -> RoundOutcome:
+        """What the scheduler learns from this round."""
+        compute, losses, samples = {}, {}, {}
+        for rec in self.accepted:
+            if COMPUTE_METRIC in rec.metrics:
+                compute[rec.device_id] = float(rec.metrics[COMPUTE_METRIC])
+            if LOSS_METRIC in rec.metrics:
+                losses[rec.device_id] = float(rec.metrics[LOSS_METRIC])
+            samples[rec.device_id] = rec.num_samples
+        return RoundOutcome(
+            job_id,
+            round_no,
+            dict(self.durations),
+            tuple(self.failures),
+            selected=tuple(selected),
+            compute=compute,
+            losses=losses,
+            samples=samples,
+        )
 
 
 @dataclass(slots=True)
@@ -150,9 +171,9 @@ class JobRunner:
         finally:
             for device_id in tally.durations.keys() | set(tally.failures):
                 self.pool.release(device_id, self.job.id)
-        self.selector.observe(
-            RoundOutcome(self.job.id, round_no, dict(tally.durations), tuple(tally.failures))
-        )
+        outcome = tally.outcome(self.job.id, round_no, selected)
+        self.pool.record(outcome)
+        self.selector.observe(outcome)
         if aggregator.count < min(self.spec.job.min_quorum, len(selected)):
             log.warning(
                 "job %s round %d: %d updates, below quorum %d; retrying",

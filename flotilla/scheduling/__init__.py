@@ -1,10 +1,49 @@
 """Scheduling: which devices serve which job's round.
 
-- ``pool``: :class:`DevicePool`, online devices and their occupancy (one job at a time).
-- ``selector``: the :class:`Selector` protocol and :class:`RandomSelector`.
+- ``pool``: :class:`DevicePool`, online devices, their occupancy (one job at a time) and
+  the per-job history (``history``) every selector learns from.
+- ``duration``: :class:`DurationModel`, a device's predicted round time for a job.
+- ``cost``: :class:`CostModel`, ``alpha * T + beta * F``, and fairness measures.
+- ``selector``: the :class:`Selector` protocol and :class:`RandomSelector`;
+  ``heuristics``: FedCS, greedy and Oort; ``registry``: names to selectors.
 """
 
+from flotilla.scheduling.cost import CostModel, jain_index, selection_variance
+from flotilla.scheduling.duration import DurationModel, Prediction
+from flotilla.scheduling.heuristics import (
+    FedCSParams,
+    FedCSSelector,
+    GreedyParams,
+    GreedySelector,
+    OortParams,
+    OortSelector,
+)
+from flotilla.scheduling.history import DeviceRecord, FleetHistory, RoundOutcome
 from flotilla.scheduling.pool import DevicePool, DeviceState
-from flotilla.scheduling.selector import RandomSelector, RoundOutcome, Selector
+from flotilla.scheduling.registry import SELECTOR_NAMES, make_selector, selector_params
+from flotilla.scheduling.selector import RandomParams, RandomSelector, Selector
 
-__all__ = ["DevicePool", "DeviceState", "RandomSelector", "RoundOutcome", "Selector"]
+__all__ = [
+    "SELECTOR_NAMES",
+    "CostModel",
+    "DevicePool",
+    "DeviceRecord",
+    "DeviceState",
+    "DurationModel",
+    "FedCSParams",
+    "FedCSSelector",
+    "FleetHistory",
+    "GreedyParams",
+    "GreedySelector",
+    "OortParams",
+    "OortSelector",
+    "Prediction",
+    "RandomParams",
+    "RandomSelector",
+    "RoundOutcome",
+    "Selector",
+    "jain_index",
+    "make_selector",
+    "selection_variance",
+    "selector_params",
+]

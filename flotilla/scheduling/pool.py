@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flotilla.core.device import DeviceProfile
+from flotilla.scheduling.history import FleetHistory, RoundOutcome
 
 
 @dataclass(slots=True)
@@ -26,6 +27,16 @@ class DevicePool:
 
     clock: Callable[[], float]
     _devices: dict[str, DeviceState] = field(default_factory=dict)
+    #: What each device did for each job: what selectors learn from.
+    history: FleetHistory = field(default_factory=FleetHistory)
+
+    def record(self, outcome: RoundOutcome) -> None:
+        """A closed round's evidence, for every selector of every job."""
+        self.history.record(outcome)
+
+    def profile(self, device_id: str) -> DeviceProfile | None:
+        state = self._devices.get(device_id)
+        return None if state is None else state.profile
 
     def seen(self, profile: DeviceProfile) -> None:
         """Record a sign of life, adding the device or refreshing its profile."""

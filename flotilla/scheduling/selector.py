@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from flotilla.core.device import DeviceProfile
-
-
-@dataclass(frozen=True, slots=True)
-class RoundOutcome:
-    """What a selector may learn from after a round closes."""
-
-    job_id: str
-    round: int
-    #: Seconds from dispatch to accepted update, per device that delivered.
-    durations: Mapping[str, float]
-    #: Devices that were selected but delivered nothing usable.
-    failures: Sequence[str]
+from flotilla.scheduling.history import RoundOutcome
 
 
 class Selector(Protocol):
@@ -28,6 +17,11 @@ class Selector(Protocol):
     def select(self, job_id: str, candidates: Sequence[DeviceProfile], count: int) -> list[str]: ...
 
     def observe(self, outcome: RoundOutcome) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RandomParams:
+    """``random``: no parameters."""
 
 
 class RandomSelector:

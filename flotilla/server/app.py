@@ -26,7 +26,7 @@ from flotilla.engine import EngineConfig, JobRunner, validate_spec
 from flotilla.engine.evaluation import initial_model, server_evaluator
 from flotilla.proto import bulk, handlers
 from flotilla.proto import flotilla_pb2 as pb
-from flotilla.scheduling import DevicePool, RandomSelector
+from flotilla.scheduling import DevicePool, make_selector
 from flotilla.server import auth
 from flotilla.server.agent_service import AgentService, profile_from_pb
 from flotilla.server.budget import ByteBudget
@@ -257,7 +257,12 @@ class FederationServer:
             spec=spec,
             backend=self.gateway,
             pool=self.pool,
-            selector=RandomSelector(random.Random(self._rng.random())),
+            selector=make_selector(
+                spec.scheduling,
+                self.pool,
+                random.Random(self._rng.random()),
+                spec.job.round_deadline_s,
+            ),
             ledger=self.store,
             blobs=self.blobs,
             evaluator=None,

@@ -30,7 +30,7 @@ from flotilla.compression import (
     make_codec,
 )
 from flotilla.core.tensors import ModelState, TensorSpec, encode_state
-from flotilla.core.update import Update
+from flotilla.core.update import COMPUTE_METRIC, Update
 from flotilla.engine.backend import Delivered, Failed, RoundResult, TrainTask
 from flotilla.engine.ports import Blobs
 from flotilla.scheduling import DevicePool
@@ -219,13 +219,17 @@ class SimBackend:
                     result.num_samples, config.train.local_epochs, pop.seconds_per_sample,
                     down, up,
                 )  # fmt: skip
+                compute = device.compute_seconds(
+                    result.num_samples, config.train.local_epochs, pop.seconds_per_sample
+                )
+                metrics = {
+                    **result.metrics,
+                    "bytes_up": float(up),
+                    "bytes_down": float(down),
+                    COMPUTE_METRIC: compute,
+                }
                 update = Update(
-                    task.job_id,
-                    task.round,
-                    device_id,
-                    result.num_samples,
-                    delta,
-                    {**result.metrics, "bytes_up": float(up), "bytes_down": float(down)},
+                    task.job_id, task.round, device_id, result.num_samples, delta, metrics
                 )
                 loop.call_at(now + seconds, self._arrive, rnd, update, seconds)
         return _Stream(self, rnd)

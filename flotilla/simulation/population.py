@@ -109,11 +109,14 @@ class VirtualDevice:
     download_bytes_per_s: float
     latency_s: float
 
+    def compute_seconds(self, samples: int, epochs: int, seconds_per_sample: float) -> float:
+        return samples * epochs * seconds_per_sample / self.speed
+
     def round_seconds(
         self, samples: int, epochs: int, seconds_per_sample: float, down: int, up: int
     ) -> float:
         """Compute + transfer + latency (once each way)."""
-        compute = samples * epochs * seconds_per_sample / self.speed
+        compute = self.compute_seconds(samples, epochs, seconds_per_sample)
         transfer = down / self.download_bytes_per_s + up / self.upload_bytes_per_s
         return compute + transfer + 2 * self.latency_s
 

@@ -25,7 +25,7 @@ from flotilla.core.errors import FlotillaError, SpecError
 from flotilla.core.records import JobRecord, RoundCommit
 from flotilla.core.spec import JobSpec
 from flotilla.engine import EngineConfig, JobRunner, initial_model, server_evaluator
-from flotilla.scheduling import DevicePool, RandomSelector
+from flotilla.scheduling import DevicePool, make_selector
 from flotilla.simulation.backend import SimBackend
 from flotilla.simulation.clock import run_simulated
 from flotilla.simulation.experiment import Experiment
@@ -305,7 +305,12 @@ def _runner(
         spec=spec,
         backend=backend,
         pool=pool,
-        selector=RandomSelector(random.Random(seed * 1_000_003 + index)),
+        selector=make_selector(
+            spec.scheduling,
+            pool,
+            random.Random(seed * 1_000_003 + index),
+            spec.job.round_deadline_s,
+        ),
         ledger=ledger,
         blobs=blobs,
         evaluator=server_evaluator(spec),

@@ -1,0 +1,32 @@
+"""A job's scheduling cost, ``alpha * T + beta * F`` (Zhou et al., AAAI 2022), and fairness.
+
+T is the round's predicted time (its slowest selected device); F the variance of how often
+each device has been selected for the job, so spreading work lowers it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    alpha: float = 1.0
+    beta: float = 1.0
+
+    def cost(self, round_seconds: float, counts_after: np.ndarray) -> float:
+        """Cost of a round of ``round_seconds`` that leaves selection counts ``counts_after``."""
+        return self.alpha * round_seconds + self.beta * selection_variance(counts_after)
+
+
+def selection_variance(counts: np.ndarray) -> float:
+    return float(np.var(counts)) if len(counts) else 0.0
+
+
+def jain_index(counts: np.ndarray) -> float:
+    """``(sum x)^2 / (n sum x^2)``: 1 when every device did equal work, 1/n when one did all."""
+    x = np.asarray(counts, dtype=np.float64)
+    sq = float(np.sum(x * x))
+    return float(np.sum(x)) ** 2 / (len(x) * sq) if sq > 0 else 1.0

@@ -1,0 +1,131 @@
+"""What each device has done for each job: the evidence every selector learns from.
+
+Kept per (job, device) because the same phone is transfer-bound for a wide model and
+compute-bound for many local epochs. Round times are kept in log space (a running mean and
+variance), which is how device speeds are distributed and what the duration model needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class RoundOutcome:
+    """What a round taught the scheduler, reported by the engine after it closes."""
+
+    job_id: str
+    round: int
+    #: Seconds from dispatch to accepted update, per device that delivered.
+    durations: Mapping[str, float]
+    #: Devices that were selected but delivered nothing usable.
+    failures: Sequence[str]
+    #: Every device the round was dispatched to (delivered, failed or still out).
+    selected: Sequence[str] = ()
+    #: Of ``durations``, the seconds spent training (``compute_s`` reported by the device);
+    #: the rest was transfer and latency.
+    compute: Mapping[str, float] = field(default_factory=dict)
+    #: The training loss each delivering device reported (``train_loss``).
+    losses: Mapping[str, float] = field(default_factory=dict)
+    #: Samples each delivering device trained on.
+    samples: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class DeviceRecord:
+    """One device's record for one job."""
+
+    selected: int = 0
+    delivered: int = 0
+    failures: int = 0
+    #: Round of the job in which the device was last selected (0: never).
+    last_round: int = 0
+    #: Running mean and variance (Welford) of log(round seconds) over delivered rounds.
+    log_mean: float = 0.0
+    log_m2: float = 0.0
+    #: Running means of compute and transfer seconds, to tell the bottleneck apart.
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    last_loss: float | None = None
+    last_samples: int = 0
+
+    @property
+    def log_var(self) -> float:
+        """Variance of log round time; 0 with fewer than two observations."""
+        return self.log_m2 / (self.delivered - 1) if self.delivered > 1 else 0.0
+
+    def add_duration(self, seconds: float, compute: float | None) -> None:
+        self.delivered += 1
+        x = math.log(max(seconds, 1e-6))
+        delta = x - self.log_mean
+        self.log_mean += delta / self.delivered
+        self.log_m2 += delta * (x - self.log_mean)
+        if compute is not None and 0.0 <= compute <= seconds:
+            n = self.delivered
+            self.compute_s += (compute - self.compute_s) / n
+            self.transfer_s += (seconds - compute - self.transfer_s) / n
+
+
+@dataclass(slots=True)
+class FleetHistory:
+    """``(job, device) -> DeviceRecord``, plus each job's rounds so far."""
+
+    records: dict[str, dict[str, DeviceRecord]] = field(default_factory=dict)
+    rounds: dict[str, int] = field(default_factory=dict)
+
+    def record(self, outcome: RoundOutcome) -> None:
+        job = self.records.setdefault(outcome.job_id, {})
+        self.rounds[outcome.job_id] = max(self.rounds.get(outcome.job_id, 0), outcome.round)
+        for device_id in set(outcome.selected) | set(outcome.durations) | set(outcome.failures):
+            rec = job.setdefault(device_id, DeviceRecord())
+            rec.selected += 1
+            rec.last_round = outcome.round
+        for device_id, seconds in outcome.durations.items():
+            job[device_id].add_duration(seconds, outcome.compute.get(device_id))
+        for device_id in outcome.failures:
+            job[device_id].failures += 1
+        for device_id, loss in outcome.losses.items():
+            if math.isfinite(loss):
+                job[device_id].last_loss = float(loss)
+        for device_id, n in outcome.samples.items():
+            job[device_id].last_samples = int(n)
+
+    def get(self, job_id: str, device_id: str) -> DeviceRecord | None:
+        return self.records.get(job_id, {}).get(device_id)
+
+    def job(self, job_id: str) -> Mapping[str, DeviceRecord]:
+        return self.records.get(job_id, {})
+
+    def selection_counts(self, job_id: str, device_ids: Iterable[str]) -> np.ndarray:
+        """Times each device was selected for ``job_id``, in the order given."""
+        job = self.records.get(job_id, {})
+        return np.array([job[d].selected if d in job else 0 for d in device_ids], dtype=np.float64)
+
+    def forget_job(self, job_id: str) -> None:
+        self.records.pop(job_id, None)
+        self.rounds.pop(job_id, None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for the server's state (JSON)."""
+        return {
+            "rounds": dict(self.rounds),
+            "records": {
+                job: {device: asdict(rec) for device, rec in devices.items()}
+                for job, devices in self.records.items()
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FleetHistory:
+        return cls(
+            records={
+                job: {device: DeviceRecord(**rec) for device, rec in devices.items()}
+                for job, devices in data.get("records", {}).items()
+            },
+            rounds={job: int(n) for job, n in data.get("rounds", {}).items()},
+        )

@@ -1,0 +1,98 @@
+"""Selector names to selectors, with params checked the way job specs are."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from flotilla.core.errors import SpecError
+from flotilla.core.spec import SchedulingSection, build_dataclass
+from flotilla.scheduling.cost import CostModel
+from flotilla.scheduling.duration import DurationModel
+from flotilla.scheduling.heuristics import (
+    FedCSParams,
+    FedCSSelector,
+    GreedyParams,
+    GreedySelector,
+    OortParams,
+    OortSelector,
+)
+from flotilla.scheduling.pool import DevicePool
+from flotilla.scheduling.selector import RandomParams, RandomSelector, Selector
+
+
+@dataclass(frozen=True, slots=True)
+class SelectionContext:
+    """What a selector is built from: the shared fleet knowledge and the job's terms."""
+
+    durations: DurationModel
+    cost: CostModel
+    deadline_s: float
+    rng: random.Random
+
+
+@dataclass(frozen=True, slots=True)
+class SelectorInfo:
+    name: str
+    params: type
+    build: Callable[[SelectionContext, Any], Selector]
+    summary: str
+
+
+_SELECTORS: Mapping[str, SelectorInfo] = MappingProxyType(
+    {
+        info.name: info
+        for info in (
+            SelectorInfo(
+                "random", RandomParams, lambda c, p: RandomSelector(c.rng), "uniform sampling"
+            ),
+            SelectorInfo(
+                "fedcs",
+                FedCSParams,
+                lambda c, p: FedCSSelector(c.durations, c.deadline_s, p),
+                "as many as finish before the deadline, fastest first",
+            ),
+            SelectorInfo(
+                "greedy",
+                GreedyParams,
+                lambda c, p: GreedySelector(c.durations, c.cost, p),
+                "adds the device that raises alpha*T + beta*F least",
+            ),
+            SelectorInfo(
+                "oort",
+                OortParams,
+                lambda c, p: OortSelector(c.durations, c.rng, p),
+                "loss utility x straggler penalty, exploration, staleness bonus",
+            ),
+        )
+    }
+)
+
+#: Every name :func:`make_selector` accepts.
+SELECTOR_NAMES: tuple[str, ...] = tuple(_SELECTORS)
+
+
+def selector_params(section: SchedulingSection) -> object:
+    """The selector's params dataclass; SpecError naming a bad selector or field."""
+    try:
+        info = _SELECTORS[section.selector]
+    except KeyError:
+        raise SpecError(
+            f"scheduling.selector {section.selector!r} is not one of {', '.join(SELECTOR_NAMES)}"
+        ) from None
+    return build_dataclass(
+        info.params, section.params, f"{section.selector} selector", "scheduling.params."
+    )
+
+
+def make_selector(
+    section: SchedulingSection, pool: DevicePool, rng: random.Random, deadline_s: float
+) -> Selector:
+    """The job's selector, reading the pool's shared history."""
+    params = selector_params(section)
+    durations = DurationModel(pool.history, pool.profile, default_s=deadline_s / 4)
+    context = SelectionContext(durations, CostModel(section.alpha, section.beta), deadline_s, rng)
+    return _SELECTORS[section.selector].build(context, params)
