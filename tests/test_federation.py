@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from flotilla.core.records import JobRecord
 from tests.conftest import DIGITS, AgentFleet, ServerProcess, flotilla
 
 pytestmark = pytest.mark.timeout(600)
@@ -97,18 +98,25 @@ def test_two_jobs_share_eight_agents_without_overlap(
                 assert a.finished_at <= b.started_at, f"{device} served two jobs at once: {a} {b}"
 
 
+ROUNDS = 30
+
+
 def test_kill_9_mid_round_then_restart_resumes(
     server: ServerProcess, fleet: AgentFleet, digits_spec: Path
 ) -> None:
     fleet.start(5)
-    job_id = server.submit(digits_spec, "job.rounds=12", "job.name=crashy")
+    job_id = server.submit(
+        digits_spec, f"job.rounds={ROUNDS}", "job.name=crashy", "scheduling.selector=greedy"
+    )
     deadline = time.monotonic() + 300  # agents import torch first; CI machines are slow
     while server.status(job_id)["rounds_committed"] < 4:
         assert time.monotonic() < deadline, "job did not start"
         time.sleep(0.3)
+    server.kill9()
+    at_kill = job_row(server, job_id).rounds_committed
+    assert 4 <= at_kill < ROUNDS, "the kill must land mid-job"
     enrolled = {d.id for d in read_store(server, "devices")}
     assert len(enrolled) == 5
-    server.kill9()
     time.sleep(1.0)
     assert fleet.alive() == 5, "agents must survive the server's death"
     server.start()  # same state dir, same port
@@ -116,7 +124,7 @@ def test_kill_9_mid_round_then_restart_resumes(
     assert status["state"] == "completed", status
 
     rounds = server.status(job_id, rounds=True)["rounds"]
-    assert [r["round"] for r in rounds] == list(range(1, 13)), "each round exactly once"
+    assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1)), "each round exactly once"
     rows = participations(server)
     keys = [(r.round, r.device_id) for r in rows]
     assert len(keys) == len(set(keys))
@@ -125,6 +133,35 @@ def test_kill_9_mid_round_then_restart_resumes(
     assert after and after <= enrolled, "the same agents came back by themselves"
     assert {d.id for d in read_store(server, "devices")} == enrolled, "nobody enrolled again"
     assert fleet.alive() == 5
+    # The scheduler's history came back with the job: it counts every committed update,
+    # those from before the crash included.
+    history = scheduler_history(server, job_id)
+    assert sum(r["delivered"] for r in history["records"].values()) == len(rows)
+    assert history["round"] == ROUNDS
+
+
+def job_row(server: ServerProcess, job_id: str) -> JobRecord:
+    """The job as the database holds it (also while the server is down)."""
+    import asyncio
+
+    from flotilla.server.store import Store, default_url
+
+    async def read() -> JobRecord | None:
+        store = await Store.open(server.db_url or default_url(server.state_dir))
+        try:
+            return await store.get_job(job_id)
+        finally:
+            await store.close()
+
+    job = asyncio.run(read())
+    assert job is not None
+    return job
+
+
+def scheduler_history(server: ServerProcess, job_id: str) -> dict:
+    sha = job_row(server, job_id).scheduler_sha256
+    assert sha, "the job's rounds commit the scheduler's history"
+    return json.loads((server.state_dir / "blobs" / sha[:2] / sha).read_text())
 
 
 def test_agent_killed_mid_upload_leaves_nothing(

@@ -398,3 +398,23 @@ async def test_data_survives_reopen(store: Store, db_url: str) -> None:
         assert (await reopened.commit_round(make_commit(rnd=2))).rounds_committed == 2
     finally:
         await reopened.close()
+
+
+async def test_a_database_from_before_a_new_column_is_upgraded_in_place(
+    store: Store, db_url: str
+) -> None:
+    await store.add_job(make_job("job-old"))
+    async with store._write_engine.begin() as conn:  # as an earlier release left it
+        await conn.exec_driver_sql("ALTER TABLE jobs DROP COLUMN scheduler_sha256")
+    await store.close()
+    reopened = await Store.open(db_url)
+    try:
+        job = await reopened.get_job("job-old")
+        assert job is not None and job.scheduler_sha256 == ""
+        await reopened.commit_round(
+            RoundCommit("job-old", 1, sha(1), {}, 1.0, 2.0, (), scheduler_sha256=sha(2))
+        )
+        job = await reopened.get_job("job-old")
+        assert job is not None and job.scheduler_sha256 == sha(2)
+    finally:
+        await reopened.close()

@@ -47,6 +47,8 @@ class JobRecord:
     #: The aggregator's server state (optimizer moments, privacy history) after the last
     #: committed round; empty for stateless strategies.
     aggregator_sha256: str = ""
+    #: The scheduler's history of this job's devices (JSON) as of the last committed round.
+    scheduler_sha256: str = ""
 
     @property
     def terminal(self) -> bool:
@@ -109,3 +111,5 @@ class RoundCommit:
     participants: tuple[ParticipationRecord, ...]
     #: Blob of the aggregator's state after this round; committed with the model.
     aggregator_sha256: str = ""
+    #: Blob of the scheduler's history of this job's devices after this round.
+    scheduler_sha256: str = ""

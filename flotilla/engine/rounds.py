@@ -109,6 +109,9 @@ class JobRunner:
         self._layout = state_spec(decode_state(model))  # reads the header only
         del model
         self._aggregator = await self._restored_aggregator()
+        if self.job.scheduler_sha256:
+            raw = await asyncio.to_thread(self.blobs.get, self.job.scheduler_sha256)
+            self.pool.history.restore_job(self.job.id, raw)
         self._client_config = self._plan.client_config_json(
             self._layout, self._aggregator.client_config()
         )
@@ -312,6 +315,8 @@ class JobRunner:
         if self._plan.traits.needs_sampling_rate:
             metrics["epsilon"] = self._aggregator.spend(rate)  # type: ignore[attr-defined]
         sha, agg_sha = await asyncio.to_thread(self._write_checkpoint, new_model)
+        history = self.pool.history.job_to_json(self.job.id)
+        sched_sha = await asyncio.to_thread(self.blobs.put, history)
         metrics.update(await self._metrics(new_model, tally))
         del new_model
         participants = _per_device(tally.accepted, round_no)
@@ -324,6 +329,7 @@ class JobRunner:
             committed_at=self.clock(),
             participants=participants,
             aggregator_sha256=agg_sha,
+            scheduler_sha256=sched_sha,
         )
         self.job = await self.ledger.commit_round(commit)
         self._refused = 0

@@ -7,6 +7,7 @@ variance), which is how device speeds are distributed and what the duration mode
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -109,6 +110,18 @@ class FleetHistory:
     def forget_job(self, job_id: str) -> None:
         self.records.pop(job_id, None)
         self.rounds.pop(job_id, None)
+
+    def job_to_json(self, job_id: str) -> bytes:
+        """One job's records, committed with each of its rounds so a restart keeps them."""
+        records = {d: asdict(r) for d, r in self.records.get(job_id, {}).items()}
+        data = {"round": self.rounds.get(job_id, 0), "records": records}
+        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+    def restore_job(self, job_id: str, raw: bytes) -> None:
+        """Put back what :meth:`job_to_json` wrote (a restarted server's first act)."""
+        data = json.loads(raw)
+        self.records[job_id] = {d: DeviceRecord(**r) for d, r in data["records"].items()}
+        self.rounds[job_id] = int(data["round"])
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, for the server's state (JSON)."""

@@ -86,6 +86,7 @@ class JobRow(Base):
     # Empty until the first round commits (or the initial model is registered), hence no FK.
     checkpoint_sha256: Mapped[str] = mapped_column(String(SHA256_LEN), default="")
     aggregator_sha256: Mapped[str] = mapped_column(String(SHA256_LEN), default="")
+    scheduler_sha256: Mapped[str] = mapped_column(String(SHA256_LEN), default="")
     created_at: Mapped[float] = mapped_column(Double, index=True)
     updated_at: Mapped[float] = mapped_column(Double)
     metrics_json: Mapped[str] = mapped_column(Text, default="{}")

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import event, insert, select, update
+from sqlalchemy import event, insert, inspect, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL, Connection, make_url
@@ -105,6 +105,25 @@ def async_url(url: str) -> URL:
     return parsed.set(drivername=name)
 
 
+def _add_new_columns(conn: Connection) -> None:
+    """Columns added to the schema since a database was created, added to it in place
+    (each has a constant default), so a state dir from an earlier release keeps working."""
+    inspector = inspect(conn)
+    for table in Base.metadata.sorted_tables:
+        present = {c["name"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in present:
+                continue
+            default = column.default.arg if column.default is not None else None
+            if default is None or callable(default):
+                raise RuntimeError(f"cannot add column {table.name}.{column.name} in place")
+            kind = column.type.compile(dialect=conn.dialect)
+            literal = conn.dialect.identifier_preparer.quote(column.name)
+            conn.exec_driver_sql(
+                f"ALTER TABLE {table.name} ADD COLUMN {literal} {kind} NOT NULL DEFAULT {default!r}"
+            )
+
+
 def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     # Take BEGIN away from the sqlite3 driver (which skips it for SELECT and DDL) so the
     # "begin" hook below controls when and how each transaction starts.
@@ -165,6 +184,7 @@ def _job_record(row: JobRow) -> JobRecord:
         updated_at=row.updated_at,
         metrics=_load_floats(row.metrics_json),
         aggregator_sha256=row.aggregator_sha256,
+        scheduler_sha256=row.scheduler_sha256,
     )
 
 
@@ -230,6 +250,7 @@ class Store:
         try:
             async with store._write_engine.begin() as conn:
                 await conn.run_sync(Base.metadata.create_all)
+                await conn.run_sync(_add_new_columns)
         except BaseException:
             await engine.dispose()
             raise
@@ -485,6 +506,7 @@ class Store:
                 job.rounds_committed = c.round
                 job.checkpoint_sha256 = c.checkpoint_sha256
                 job.aggregator_sha256 = c.aggregator_sha256
+                job.scheduler_sha256 = c.scheduler_sha256
                 job.metrics_json = _floats(c.metrics)
                 job.updated_at = c.committed_at
                 job.state = "completed" if c.round == job.rounds_total else "running"

@@ -69,6 +69,7 @@ class SimLedger:
             rounds_committed=commit.round,
             checkpoint_sha256=commit.checkpoint_sha256,
             aggregator_sha256=commit.aggregator_sha256,
+            scheduler_sha256=commit.scheduler_sha256,
             metrics=dict(commit.metrics),
             updated_at=commit.committed_at,
         )
