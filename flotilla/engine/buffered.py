@@ -105,7 +105,9 @@ def _top_up(
     """Dispatch the newest model to idle devices until ``clients_per_round`` are training."""
     job = runner.spec.job
     free = job.clients_per_round - len(training)
-    idle = runner.pool.idle(job.task) if free > 0 else []
+    arbiter = runner.arbiter
+    assert arbiter is not None
+    idle = arbiter.idle(job.task) if free > 0 else []  # not those granted to other jobs
     if not idle:
         return
     chosen = runner.selector.select(runner.job.id, idle, free)

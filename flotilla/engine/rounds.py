@@ -28,7 +28,7 @@ from flotilla.engine.backend import Backend, Delivered, Failed, RoundResult, Tra
 from flotilla.engine.broadcast import Broadcast, Broadcaster
 from flotilla.engine.plan import JobPlan
 from flotilla.engine.ports import Blobs, Evaluator, Ledger
-from flotilla.scheduling import DevicePool, RoundOutcome, Selector
+from flotilla.scheduling import Arbiter, DevicePool, Grant, Request, RoundOutcome, Selector
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class RoundTally:
     accepted: list[ParticipationRecord] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     durations: dict[str, float] = field(default_factory=dict)
+    #: How the arbiter decided this round's devices (recorded with its metrics).
+    schedule: dict[str, float] = field(default_factory=dict)
 
     def outcome(self, job_id: str, round_no: int, selected: Sequence[str]) -> RoundOutcome:
         """What the scheduler learns from this round."""
@@ -92,6 +94,9 @@ class JobRunner:
     config: EngineConfig = field(default_factory=EngineConfig)
     #: Where robust strategies spool a round's updates; required only by them.
     spool_dir: Path | None = None
+    #: Shared by every job on ``pool`` so that jobs asking at once are decided jointly;
+    #: a job given none gets its own.
+    arbiter: Arbiter | None = None
     _plan: JobPlan = field(init=False)
     _aggregator: Aggregator = field(init=False)
     _layout: tuple[TensorSpec, ...] = field(init=False, default=())
@@ -105,6 +110,10 @@ class JobRunner:
 
     async def run(self) -> JobRecord:
         self._plan = JobPlan.from_spec(self.spec)
+        if self.arbiter is None:
+            self.arbiter = Arbiter(
+                self.pool, self.clock, self.config.selection_grace_s, self.config.idle_poll_s
+            )
         model = await asyncio.to_thread(self.blobs.get_mapped, self.job.checkpoint_sha256)
         self._layout = state_spec(decode_state(model))  # reads the header only
         del model
@@ -157,16 +166,19 @@ class JobRunner:
         global_state = decode_state(
             await asyncio.to_thread(self.blobs.get_mapped, self.job.checkpoint_sha256)
         )
-        selected, rate = await self._select()
+        grant, rate = await self._select()
         # From the claim to the dispatch nothing may await: a claimed device that polls
         # before its task is offered looks idle to the backend, which would free it for
         # another job (one device, two jobs).
+        selected = grant.claim()
+        if not selected:  # every granted device went away meanwhile
+            return False
         started = self.clock()
         task = self._task(round_no, started)
         aggregator = self._aggregator
         aggregator.begin(round_no, global_state)
         del global_state
-        tally = RoundTally()
+        tally = RoundTally(schedule=grant.metrics())
         try:
             results = self.backend.dispatch(task, selected)
             async with contextlib.aclosing(results):  # type: ignore[type-var]
@@ -208,27 +220,23 @@ class JobRunner:
                 f"a row ({exc}); the job fails rather than retry forever"
             )
 
-    async def _select(self) -> tuple[list[str], float]:
-        """Claim devices for a round; also the sampling rate, for privacy accounting."""
+    async def _select(self) -> tuple[Grant, float]:
+        """Devices for a round, from the arbiter; also the sampling rate (privacy)."""
         job = self.spec.job
         want = math.ceil(job.clients_per_round * job.over_selection)
-        grace_until: float | None = None
-        while True:
-            idle = self.pool.idle(job.task)
-            if len(idle) >= want:
-                break
-            if len(idle) >= job.min_quorum:
-                now = self.clock()
-                grace_until = grace_until or now + self.config.selection_grace_s
-                if now >= grace_until:
-                    break
-            await asyncio.sleep(self.config.idle_poll_s)
-        chosen = self.selector.select(self.job.id, idle, want)
-        rate = len(chosen) / max(len(self.pool.eligible(job.task)), len(chosen), 1)
+        assert self.arbiter is not None
+        grant = await self.arbiter.acquire(
+            Request(self.job.id, job.task, want, job.min_quorum, self.selector)
+        )
+        count = len(grant.devices)
+        rate = count / max(len(self.pool.eligible(job.task)), count, 1)
         if self._plan.traits.needs_sampling_rate:
-            self._aggregator.check_budget(rate)  # type: ignore[attr-defined]
-        self.pool.claim(chosen, self.job.id)
-        return chosen, rate
+            try:
+                self._aggregator.check_budget(rate)  # type: ignore[attr-defined]
+            except BaseException:
+                self.arbiter.release(grant)
+                raise
+        return grant, rate
 
     def _task(self, round_no: int, started: float) -> TrainTask:
         cast = self._broadcast
@@ -311,7 +319,7 @@ class JobRunner:
     ) -> None:
         """Finalize the aggregator and commit its model (and state) as ``round_no``."""
         new_model = await asyncio.to_thread(self._aggregator.finalize)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = dict(tally.schedule)
         if self._plan.traits.needs_sampling_rate:
             metrics["epsilon"] = self._aggregator.spend(rate)  # type: ignore[attr-defined]
         sha, agg_sha = await asyncio.to_thread(self._write_checkpoint, new_model)

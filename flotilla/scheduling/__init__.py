@@ -3,11 +3,13 @@
 - ``pool``: :class:`DevicePool`, online devices, their occupancy (one job at a time) and
   the per-job history (``history``) every selector learns from.
 - ``duration``: :class:`DurationModel`, a device's predicted round time for a job.
+- ``arbiter``: :class:`Arbiter`, devices for the jobs that ask at the same moment, jointly.
 - ``cost``: :class:`CostModel`, ``alpha * T + beta * F``, and fairness measures.
 - ``selector``: the :class:`Selector` protocol and :class:`RandomSelector`;
   ``heuristics``: FedCS, greedy and Oort; ``registry``: names to selectors.
 """
 
+from flotilla.scheduling.arbiter import Arbiter, Grant, Request
 from flotilla.scheduling.cost import CostModel, jain_index, selection_variance
 from flotilla.scheduling.duration import DurationModel, Prediction
 from flotilla.scheduling.heuristics import (
@@ -25,6 +27,7 @@ from flotilla.scheduling.selector import RandomParams, RandomSelector, Selector
 
 __all__ = [
     "SELECTOR_NAMES",
+    "Arbiter",
     "CostModel",
     "DevicePool",
     "DeviceRecord",
@@ -33,6 +36,7 @@ __all__ = [
     "FedCSParams",
     "FedCSSelector",
     "FleetHistory",
+    "Grant",
     "GreedyParams",
     "GreedySelector",
     "OortParams",
@@ -40,6 +44,7 @@ __all__ = [
     "Prediction",
     "RandomParams",
     "RandomSelector",
+    "Request",
     "RoundOutcome",
     "Selector",
     "jain_index",

@@ -26,7 +26,7 @@ from flotilla.engine import EngineConfig, JobRunner, validate_spec
 from flotilla.engine.evaluation import initial_model, server_evaluator
 from flotilla.proto import bulk, handlers
 from flotilla.proto import flotilla_pb2 as pb
-from flotilla.scheduling import DevicePool, make_selector
+from flotilla.scheduling import Arbiter, DevicePool, make_selector
 from flotilla.server import auth
 from flotilla.server.agent_service import AgentService, profile_from_pb
 from flotilla.server.budget import ByteBudget
@@ -71,6 +71,8 @@ class FederationServer:
         self.blobs = BlobStore(self.state_dir / "blobs")
         self.pool = DevicePool(clock=time.time)
         self.gateway = Gateway(self.pool, time.time)
+        engine = config.engine
+        self.arbiter = Arbiter(self.pool, time.time, engine.selection_grace_s, engine.idle_poll_s)
         self.upload_budget = ByteBudget(config.upload_budget_bytes)
         self.download_slots = asyncio.Semaphore(config.download_slots)
         self.store: Store
@@ -130,6 +132,7 @@ class FederationServer:
         for task in [*self._runners.values(), *self._background]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await self.arbiter.close()
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
         await self.store.close()
@@ -269,6 +272,7 @@ class FederationServer:
             clock=time.time,
             config=self.config.engine,
             spool_dir=self.state_dir / "spool" / job.id,
+            arbiter=self.arbiter,
         )
         task = asyncio.ensure_future(self._run_job(runner))
         self._runners[job.id] = task

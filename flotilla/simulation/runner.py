@@ -25,7 +25,7 @@ from flotilla.core.errors import FlotillaError, SpecError
 from flotilla.core.records import JobRecord, RoundCommit
 from flotilla.core.spec import JobSpec
 from flotilla.engine import EngineConfig, JobRunner, initial_model, server_evaluator
-from flotilla.scheduling import DevicePool, make_selector
+from flotilla.scheduling import Arbiter, DevicePool, make_selector
 from flotilla.simulation.backend import SimBackend
 from flotilla.simulation.clock import run_simulated
 from flotilla.simulation.experiment import Experiment
@@ -175,8 +175,9 @@ async def _simulate(
         (out_dir / "participation.jsonl").open("w") as participation,
     ):
         ledger = SimLedger(out, participation, backend, wall_start, bar)
+        arbiter = Arbiter(pool, loop.time, SIM_ENGINE.selection_grace_s, SIM_ENGINE.idle_poll_s)
         runners = [
-            _runner(i, spec, backend, pool, ledger, blobs, scratch, experiment.seed, loop.time)
+            _runner(i, spec, backend, arbiter, ledger, blobs, scratch, experiment.seed, loop.time)
             for i, spec in enumerate(experiment.jobs)
         ]
         fleet.start()
@@ -289,7 +290,7 @@ def _runner(
     index: int,
     spec: JobSpec,
     backend: SimBackend,
-    pool: DevicePool,
+    arbiter: Arbiter,
     ledger: SimLedger,
     blobs: BlobStore,
     scratch: Path,
@@ -305,10 +306,10 @@ def _runner(
         job=job,
         spec=spec,
         backend=backend,
-        pool=pool,
+        pool=arbiter.pool,
         selector=make_selector(
             spec.scheduling,
-            pool,
+            arbiter.pool,
             random.Random(seed * 1_000_003 + index),
             spec.job.round_deadline_s,
         ),
@@ -318,6 +319,7 @@ def _runner(
         clock=clock,
         config=SIM_ENGINE,
         spool_dir=scratch / "spool" / job.id,
+        arbiter=arbiter,
     )
 
 

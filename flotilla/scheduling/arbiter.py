@@ -1,0 +1,177 @@
+"""The multi-job arbiter: jobs that need devices at the same moment get them jointly.
+
+Without it the job whose loop happens to run first takes every idle device it wants, and a
+second job waits for that round to end, again and again. Here every job that is ready to
+start a round is decided in one pass: oldest request first, each taking at most an equal
+share of the devices still free for its task (but its quorum where there is one), chosen by
+its own selector. Devices handed out are reserved until the job claims them, right before
+it dispatches, so no decision hands one device to two jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flotilla.core.device import DeviceProfile
+from flotilla.scheduling.pool import DevicePool
+from flotilla.scheduling.selector import Selector
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    job_id: str
+    task: str
+    #: Devices the round asks for (clients per round x over-selection).
+    want: int
+    #: Fewest it can run with; after ``grace_s`` of waiting, that many are enough.
+    min_quorum: int
+    selector: Selector
+
+
+@dataclass(slots=True)
+class Grant:
+    """Devices handed to one job, and how the decision went (recorded with the round)."""
+
+    job_id: str
+    devices: list[str]
+    waited_s: float
+    #: Jobs decided in the same pass (1: nobody else was waiting).
+    contenders: int
+    #: Idle devices this job could use when it was decided.
+    candidates: int
+    _arbiter: Arbiter | None = field(default=None, repr=False)
+
+    def claim(self) -> list[str]:
+        """Mark the devices busy with this job (those still idle): call right before
+        dispatching, with no await in between."""
+        if self._arbiter is None:
+            return []
+        arbiter, self._arbiter = self._arbiter, None
+        return arbiter._claim(self)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "sched_wait_s": self.waited_s,
+            "sched_contenders": float(self.contenders),
+            "sched_candidates": float(self.candidates),
+        }
+
+
+@dataclass(slots=True)
+class _Waiter:
+    request: Request
+    since: float
+    future: asyncio.Future[Grant]
+
+
+class Arbiter:
+    """Hands idle devices of one :class:`DevicePool` to the jobs asking for them."""
+
+    def __init__(
+        self,
+        pool: DevicePool,
+        clock: Callable[[], float],
+        grace_s: float = 2.0,
+        poll_s: float = 0.1,
+    ) -> None:
+        self.pool = pool
+        self._clock = clock
+        self._grace_s = grace_s
+        self._poll_s = poll_s
+        self._waiting: dict[str, _Waiter] = {}
+        #: Device -> job it was granted to and has not claimed yet.
+        self._reserved: dict[str, str] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    def idle(self, task: str) -> list[DeviceProfile]:
+        """Idle devices for ``task`` that no job has been granted."""
+        return [p for p in self.pool.idle(task) if p.device_id not in self._reserved]
+
+    async def acquire(self, request: Request) -> Grant:
+        """Wait until the job can start a round; its devices come reserved for it."""
+        if request.job_id in self._waiting:
+            raise RuntimeError(f"job {request.job_id} is already waiting for devices")
+        future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        self._waiting[request.job_id] = _Waiter(request, self._clock(), future)
+        self._wake.set()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.ensure_future(self._run())
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release(future.result())  # granted, but nobody will claim it
+            raise
+        finally:
+            waiter = self._waiting.get(request.job_id)
+            if waiter is not None and waiter.future is future:
+                del self._waiting[request.job_id]
+
+    async def _run(self) -> None:
+        """Decide whenever jobs are waiting: at once for a new request (with any others
+        made at the same moment), else every ``poll_s`` as devices come free."""
+        while self._waiting:
+            await asyncio.sleep(0)
+            self._wake.clear()
+            self.decide()
+            if self._waiting:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self._poll_s)
+
+    def decide(self) -> list[Grant]:
+        now = self._clock()
+        ready = [
+            w for w in self._waiting.values() if not w.future.done() and self._is_ready(w, now)
+        ]
+        ready.sort(key=lambda w: (w.since, w.request.job_id))
+        grants = []
+        for i, waiter in enumerate(ready):
+            req = waiter.request
+            candidates = self.idle(req.task)
+            if len(candidates) < req.min_quorum:
+                continue  # devices went to older requests; wait for the next pass
+            later = len(ready) - i - 1
+            share = len(candidates) // (later + 1)
+            cap = min(req.want, max(share, req.min_quorum))
+            chosen = req.selector.select(req.job_id, candidates, cap)
+            for device_id in chosen:
+                self._reserved[device_id] = req.job_id
+            grant = Grant(req.job_id, chosen, now - waiter.since, len(ready), len(candidates), self)
+            grants.append(grant)
+            del self._waiting[req.job_id]
+            waiter.future.set_result(grant)
+        return grants
+
+    def _is_ready(self, waiter: _Waiter, now: float) -> bool:
+        req = waiter.request
+        free = len(self.idle(req.task))
+        if free >= req.want:
+            return True
+        return free >= req.min_quorum and now - waiter.since >= self._grace_s
+
+    def _claim(self, grant: Grant) -> list[str]:
+        mine = [d for d in grant.devices if self._reserved.get(d) == grant.job_id]
+        for device_id in mine:
+            del self._reserved[device_id]
+        claimed = [d for d in mine if self.pool.is_online(d) and self.pool.busy_with(d) is None]
+        self.pool.claim(claimed, grant.job_id)
+        return claimed
+
+    def release(self, grant: Grant) -> None:
+        """Give back a grant that will not be claimed (the job stopped)."""
+        if grant._arbiter is None:
+            return
+        grant._arbiter = None
+        for device_id in grant.devices:
+            if self._reserved.get(device_id) == grant.job_id:
+                del self._reserved[device_id]
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task

@@ -1,0 +1,115 @@
+"""The multi-job arbiter: joint decisions, equal shares, quorums, reservations."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from flotilla.core.device import DeviceProfile
+from flotilla.scheduling import Arbiter, DevicePool, RandomSelector, Request
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def pool_with(n: int, task: str = "t", start: int = 0) -> DevicePool:
+    pool = DevicePool(time.monotonic)
+    add(pool, n, task, start)
+    return pool
+
+
+def add(pool: DevicePool, n: int, task: str = "t", start: int = 0) -> None:
+    for i in range(start, start + n):
+        pool.seen(DeviceProfile(f"d{i:03d}", tasks=(task,)))
+
+
+def request(job: str, want: int, quorum: int = 1, task: str = "t") -> Request:
+    return Request(job, task, want, quorum, RandomSelector(random.Random(job)))
+
+
+def arbiter_for(pool: DevicePool, grace_s: float = 10.0) -> Arbiter:
+    return Arbiter(pool, time.monotonic, grace_s=grace_s, poll_s=0.01)
+
+
+async def test_jobs_asking_at_once_share_the_idle_devices_equally() -> None:
+    pool = pool_with(12)
+    arbiter = arbiter_for(pool, grace_s=0.0)
+    a, b = await asyncio.gather(
+        arbiter.acquire(request("a", 10)), arbiter.acquire(request("b", 10))
+    )
+    assert len(a.devices) == len(b.devices) == 6
+    assert not set(a.devices) & set(b.devices)
+    assert a.contenders == b.contenders == 2
+    assert a.metrics()["sched_candidates"] == 12.0
+    assert set(a.claim()) == set(a.devices)
+    assert all(pool.busy_with(d) == "a" for d in a.devices)
+    assert set(b.claim()) == set(b.devices)
+    await arbiter.close()
+
+
+async def test_a_quorum_is_honoured_before_an_equal_share() -> None:
+    pool = pool_with(12)
+    arbiter = arbiter_for(pool, grace_s=0.0)
+    a, b = await asyncio.gather(
+        arbiter.acquire(request("a", 10, quorum=8)), arbiter.acquire(request("b", 10, quorum=2))
+    )
+    assert (len(a.devices), len(b.devices)) == (8, 4)
+    await arbiter.close()
+
+
+async def test_granted_devices_are_reserved_until_claimed_or_released() -> None:
+    pool = pool_with(5)
+    arbiter = arbiter_for(pool)
+    grant = await arbiter.acquire(request("a", 3))
+    free = {p.device_id for p in arbiter.idle("t")}
+    assert free.isdisjoint(grant.devices) and len(free) == 2
+    assert len(pool.idle("t")) == 5, "reserved, not yet busy"
+    arbiter.release(grant)
+    assert len(arbiter.idle("t")) == 5
+    assert grant.claim() == [], "a released grant claims nothing"
+    await arbiter.close()
+
+
+async def test_a_job_waits_until_devices_come_and_then_gets_them() -> None:
+    pool = pool_with(2)
+    arbiter = arbiter_for(pool)
+    waiting = asyncio.ensure_future(arbiter.acquire(request("a", 4, quorum=3)))
+    await asyncio.sleep(0.05)
+    assert not waiting.done(), "2 devices: below its quorum of 3"
+    add(pool, 2, start=2)
+    grant = await asyncio.wait_for(waiting, 5)
+    assert len(grant.devices) == 4 and grant.waited_s >= 0.04
+    await arbiter.close()
+
+
+async def test_after_the_grace_period_the_quorum_is_enough() -> None:
+    pool = pool_with(3)
+    arbiter = arbiter_for(pool, grace_s=0.1)
+    started = time.monotonic()
+    grant = await asyncio.wait_for(arbiter.acquire(request("a", 10, quorum=2)), 5)
+    assert len(grant.devices) == 3 and time.monotonic() - started >= 0.1
+    await arbiter.close()
+
+
+async def test_a_cancelled_request_leaves_nothing_reserved() -> None:
+    pool = pool_with(4)
+    arbiter = arbiter_for(pool)
+    waiting = asyncio.ensure_future(arbiter.acquire(request("a", 6, quorum=5)))
+    await asyncio.sleep(0.02)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    grant = await asyncio.wait_for(arbiter.acquire(request("b", 4)), 5)
+    assert len(grant.devices) == 4
+    await arbiter.close()
+
+
+async def test_a_device_claimed_elsewhere_meanwhile_is_skipped_at_claim() -> None:
+    pool = pool_with(3)
+    arbiter = arbiter_for(pool)
+    grant = await arbiter.acquire(request("a", 3))
+    pool.leave(grant.devices[0])
+    assert set(grant.claim()) == set(grant.devices[1:])
+    await arbiter.close()
