@@ -135,7 +135,7 @@ def test_kill_9_mid_round_then_restart_resumes(
     assert fleet.alive() == 5
     # The scheduler's history came back with the job: it counts every committed update,
     # those from before the crash included.
-    history = scheduler_history(server, job_id)
+    history = scheduler_state(server, job_id)["history"]
     assert sum(r["delivered"] for r in history["records"].values()) == len(rows)
     assert history["round"] == ROUNDS
 
@@ -158,7 +158,7 @@ def job_row(server: ServerProcess, job_id: str) -> JobRecord:
     return job
 
 
-def scheduler_history(server: ServerProcess, job_id: str) -> dict:
+def scheduler_state(server: ServerProcess, job_id: str) -> dict:
     sha = job_row(server, job_id).scheduler_sha256
     assert sha, "the job's rounds commit the scheduler's history"
     return json.loads((server.state_dir / "blobs" / sha[:2] / sha).read_text())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 from pathlib import Path
@@ -30,6 +31,7 @@ from flotilla.scheduling import (
     make_selector,
     selection_variance,
 )
+from flotilla.scheduling.rl import RLSelector
 from flotilla.simulation import load_experiment, run_experiment
 from tests.test_simulation import experiment_file, rows
 
@@ -102,6 +104,9 @@ def test_history_keeps_counts_times_split_losses_and_survives_a_round_trip() -> 
     assert history.selection_counts(JOB, ["b", "a", "zz"]).tolist() == [1, 2, 0]
     again = FleetHistory.from_dict(history.to_dict())
     assert again.to_dict() == history.to_dict()
+    fresh = FleetHistory()
+    fresh.restore_job(JOB, history.job_state(JOB))
+    assert fresh.job_state(JOB) == history.job_state(JOB)
 
 
 # --- duration model ------------------------------------------------------------------------
@@ -247,7 +252,7 @@ def test_selector_names_and_params_are_checked_in_the_spec() -> None:
     from flotilla.engine import validate_spec
 
     validate_spec(spec)
-    with pytest.raises(SpecError, match="'nope' is not one of random, fedcs, greedy, oort"):
+    with pytest.raises(SpecError, match="'nope' is not one of random, fedcs, greedy, oort, rl"):
         validate_spec(JobSpec.from_dict({"scheduling": {"selector": "nope"}}))
     with pytest.raises(SpecError, match=r"scheduling\.params\.explore"):
         validate_spec(
@@ -304,3 +309,61 @@ def test_fedcs_rounds_are_faster_than_random_ones_on_a_mixed_fleet(tmp_path: Pat
         run_experiment(experiment, out, progress=False)
         seconds[selector] = sum(r["round_seconds"] for r in rows(out)[1:])  # after round 1
     assert seconds["fedcs"] < 0.5 * seconds["random"], seconds
+
+
+# --- rl ------------------------------------------------------------------------------------
+
+
+def rl_selector(pool: DevicePool, rng_seed: int = 0, **params: object) -> RLSelector:
+    section = SchedulingSection(selector="rl", params=dict(params), alpha=1.0, beta=0.0)
+    selector = make_selector(section, pool, random.Random(rng_seed), deadline_s=60.0)
+    assert isinstance(selector, RLSelector)
+    return selector
+
+
+def rl_round(pool: DevicePool, selector: RLSelector, devices: list[DeviceProfile], r: int) -> float:
+    picked = selector.select(JOB, devices, 10)
+    play(pool, r, picked)
+    selector.observe(
+        RoundOutcome(
+            JOB,
+            r,
+            {d: true_seconds(pool.profile(d)) for d in picked},
+            (),
+            tuple(picked),  # type: ignore[arg-type]
+        )
+    )
+    return max(true_seconds(pool.profile(d)) for d in picked)  # type: ignore[arg-type]
+
+
+def test_rl_learns_to_shorten_rounds_from_their_cost() -> None:
+    """The same policies, learning or frozen at their random start (alpha=1, beta=0)."""
+    devices = fleet(200, seed=3)
+    late: dict[float, list[float]] = {0.0: [], 0.1: []}
+    for seed in range(3):
+        for lr in late:
+            pool = pool_of(devices)
+            play(pool, 0, [d.device_id for d in devices])  # every device seen once
+            selector = rl_selector(pool, seed, learning_rate=lr, seed=seed)
+            times = [rl_round(pool, selector, devices, r) for r in range(1, 61)]
+            late[lr].append(float(np.median(times[-20:])))
+    assert sum(late[0.1]) < 0.5 * sum(late[0.0]), late
+
+
+def test_rl_state_round_trips_and_a_policy_file_starts_a_new_job(tmp_path: Path) -> None:
+    devices = fleet(50)
+    pool = pool_of(devices)
+    trained = rl_selector(pool)
+    for r in range(1, 6):
+        rl_round(pool, trained, devices, r)
+    state = trained.state()
+    json.dumps(state)  # plain data, committed with the round
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps(state))
+    restored = rl_selector(pool, seed=7)
+    restored.restore(state)
+    from_file = rl_selector(pool, seed=7, policy_file=str(policy))
+    assert restored.state() == from_file.state() == state
+    assert restored.select(JOB, devices, 5) == from_file.select(JOB, devices, 5)
+    with pytest.raises(SpecError, match="policy"):
+        rl_selector(pool, policy_file=str(tmp_path / "missing.json"))

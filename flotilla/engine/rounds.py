@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import sys
@@ -120,7 +121,7 @@ class JobRunner:
         self._aggregator = await self._restored_aggregator()
         if self.job.scheduler_sha256:
             raw = await asyncio.to_thread(self.blobs.get, self.job.scheduler_sha256)
-            self.pool.history.restore_job(self.job.id, raw)
+            self._restore_scheduling(raw)
         self._client_config = self._plan.client_config_json(
             self._layout, self._aggregator.client_config()
         )
@@ -209,6 +210,19 @@ class JobRunner:
             await self._rollback()
             raise
         return True
+
+    def _scheduling_state(self) -> bytes:
+        """The job's device history and its selector's learned state, as committed."""
+        data = {
+            "history": self.pool.history.job_state(self.job.id),
+            "selector": self.selector.state(),
+        }
+        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+    def _restore_scheduling(self, raw: bytes) -> None:
+        data = json.loads(raw)
+        self.pool.history.restore_job(self.job.id, data["history"])
+        self.selector.restore(data.get("selector", {}))
 
     def refused(self, round_no: int, exc: UpdateRejected) -> None:
         """Count a refused aggregate; too many in a row end the job (FlotillaError)."""
@@ -323,8 +337,7 @@ class JobRunner:
         if self._plan.traits.needs_sampling_rate:
             metrics["epsilon"] = self._aggregator.spend(rate)  # type: ignore[attr-defined]
         sha, agg_sha = await asyncio.to_thread(self._write_checkpoint, new_model)
-        history = self.pool.history.job_to_json(self.job.id)
-        sched_sha = await asyncio.to_thread(self.blobs.put, history)
+        sched_sha = await asyncio.to_thread(self.blobs.put, self._scheduling_state())
         metrics.update(await self._metrics(new_model, tally))
         del new_model
         participants = _per_device(tally.accepted, round_no)

@@ -18,6 +18,7 @@ from flotilla.core.device import DeviceProfile
 from flotilla.scheduling.cost import CostModel
 from flotilla.scheduling.duration import DurationModel
 from flotilla.scheduling.history import DeviceRecord, RoundOutcome
+from flotilla.scheduling.selector import Stateless
 
 
 def _ids(candidates: Sequence[DeviceProfile], picks: Sequence[int] | np.ndarray) -> list[str]:
@@ -38,7 +39,7 @@ class FedCSParams:
     min_share: float = 0.5
 
 
-class FedCSSelector:
+class FedCSSelector(Stateless):
     """As many devices as are predicted to finish before the deadline (up to ``count``),
     fastest first; a round may so get fewer devices than asked, as in FedCS."""
 
@@ -69,7 +70,7 @@ class GreedyParams:
     confidence_z: float = 0.0
 
 
-class GreedySelector:
+class GreedySelector(Stateless):
     """Cost-aware and fairness-aware: ``alpha * T + beta * F`` grown one device at a time.
 
     T only grows when a slower device is added, so once the round's pace is set, devices no
@@ -127,7 +128,7 @@ class OortParams:
     cutoff: float = 0.95
 
 
-class OortSelector:
+class OortSelector(Stateless):
     """Statistical utility (samples x loss) times a system penalty, plus a staleness bonus.
 
     Devices not yet tried on the job are explored, faster ones first in expectation; the

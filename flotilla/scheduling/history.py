@@ -7,7 +7,6 @@ variance), which is how device speeds are distributed and what the duration mode
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -111,15 +110,14 @@ class FleetHistory:
         self.records.pop(job_id, None)
         self.rounds.pop(job_id, None)
 
-    def job_to_json(self, job_id: str) -> bytes:
-        """One job's records, committed with each of its rounds so a restart keeps them."""
+    def job_state(self, job_id: str) -> dict[str, Any]:
+        """One job's records as plain data: committed with each of its rounds, so a
+        restarted server picks up where the job's scheduling was."""
         records = {d: asdict(r) for d, r in self.records.get(job_id, {}).items()}
-        data = {"round": self.rounds.get(job_id, 0), "records": records}
-        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+        return {"round": self.rounds.get(job_id, 0), "records": records}
 
-    def restore_job(self, job_id: str, raw: bytes) -> None:
-        """Put back what :meth:`job_to_json` wrote (a restarted server's first act)."""
-        data = json.loads(raw)
+    def restore_job(self, job_id: str, data: Mapping[str, Any]) -> None:
+        """Put back what :meth:`job_state` returned."""
         self.records[job_id] = {d: DeviceRecord(**r) for d, r in data["records"].items()}
         self.rounds[job_id] = int(data["round"])
 

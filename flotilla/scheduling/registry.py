@@ -21,6 +21,7 @@ from flotilla.scheduling.heuristics import (
     OortSelector,
 )
 from flotilla.scheduling.pool import DevicePool
+from flotilla.scheduling.rl import RLParams
 from flotilla.scheduling.selector import RandomParams, RandomSelector, Selector
 
 
@@ -32,6 +33,7 @@ class SelectionContext:
     cost: CostModel
     deadline_s: float
     rng: random.Random
+    rounds_total: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,19 @@ class SelectorInfo:
     params: type
     build: Callable[[SelectionContext, Any], Selector]
     summary: str
+
+
+def _rl(context: SelectionContext, params: RLParams) -> Selector:
+    from flotilla.scheduling.rl import RLSelector  # torch: imported only when used
+
+    return RLSelector(
+        context.durations,
+        context.cost,
+        context.deadline_s,
+        context.rounds_total,
+        context.rng,
+        params,
+    )
 
 
 _SELECTORS: Mapping[str, SelectorInfo] = MappingProxyType(
@@ -67,6 +82,12 @@ _SELECTORS: Mapping[str, SelectorInfo] = MappingProxyType(
                 lambda c, p: OortSelector(c.durations, c.rng, p),
                 "loss utility x straggler penalty, exploration, staleness bonus",
             ),
+            SelectorInfo(
+                "rl",
+                RLParams,
+                _rl,
+                "policy network scoring devices, REINFORCE on round cost",
+            ),
         )
     }
 )
@@ -89,10 +110,15 @@ def selector_params(section: SchedulingSection) -> object:
 
 
 def make_selector(
-    section: SchedulingSection, pool: DevicePool, rng: random.Random, deadline_s: float
+    section: SchedulingSection,
+    pool: DevicePool,
+    rng: random.Random,
+    deadline_s: float,
+    rounds_total: int = 100,
 ) -> Selector:
     """The job's selector, reading the pool's shared history."""
     params = selector_params(section)
     durations = DurationModel(pool.history, pool.profile, default_s=deadline_s / 4)
-    context = SelectionContext(durations, CostModel(section.alpha, section.beta), deadline_s, rng)
+    cost = CostModel(section.alpha, section.beta)
+    context = SelectionContext(durations, cost, deadline_s, rng, rounds_total)
     return _SELECTORS[section.selector].build(context, params)

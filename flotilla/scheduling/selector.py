@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from flotilla.core.device import DeviceProfile
 from flotilla.scheduling.history import RoundOutcome
@@ -18,13 +18,31 @@ class Selector(Protocol):
 
     def observe(self, outcome: RoundOutcome) -> None: ...
 
+    def state(self) -> dict[str, Any]:
+        """What the selector learned (plain JSON data), committed with each round."""
+        ...
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Take back what :meth:`state` returned, when a job resumes."""
+        ...
+
+
+class Stateless:
+    """For selectors whose only evidence is the pool's history, committed by the engine."""
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class RandomParams:
     """``random``: no parameters."""
 
 
-class RandomSelector:
+class RandomSelector(Stateless):
     """Uniform sampling without replacement; the baseline every learned selector must beat."""
 
     def __init__(self, rng: random.Random) -> None:

@@ -265,6 +265,7 @@ class FederationServer:
                 self.pool,
                 random.Random(self._rng.random()),
                 spec.job.round_deadline_s,
+                spec.job.rounds,
             ),
             ledger=self.store,
             blobs=self.blobs,

@@ -312,6 +312,7 @@ def _runner(
             arbiter.pool,
             random.Random(seed * 1_000_003 + index),
             spec.job.round_deadline_s,
+            spec.job.rounds,
         ),
         ledger=ledger,
         blobs=blobs,
