@@ -265,7 +265,7 @@ def test_selector_names_and_params_are_checked_in_the_spec() -> None:
 # --- in simulation -------------------------------------------------------------------------
 
 
-def test_three_selectors_share_a_simulated_fleet_without_double_booking(tmp_path: Path) -> None:
+def test_four_selectors_share_a_simulated_fleet_without_double_booking(tmp_path: Path) -> None:
     body = """
 [[jobs]]
 job = { name = "fedcs", seed = 1, clients_per_round = 12, min_quorum = 5 }
@@ -278,10 +278,20 @@ scheduling = { selector = "greedy", beta = 100.0 }
 [[jobs]]
 job = { name = "oort", seed = 3, clients_per_round = 12, min_quorum = 5 }
 scheduling = { selector = "oort" }
+
+[[jobs]]
+job = { name = "rl", seed = 4, clients_per_round = 12, min_quorum = 5 }
+scheduling = { selector = "rl" }
 """
     path = experiment_file(tmp_path, body)
     summary = run_experiment(load_experiment(path), tmp_path / "out", progress=False)
     assert {j["state"] for j in summary["jobs"].values()} == {"completed"}
+    # The rl policy trained here is written out, ready to start a real job from.
+    policy = tmp_path / "out" / "selectors" / "rl.json"
+    assert json.loads(policy.read_text())["updates"] >= 1
+    assert not (tmp_path / "out" / "selectors" / "fedcs.json").exists()
+    for r in rows(tmp_path / "out"):
+        assert r["sched_contenders"] >= 1 and r["sched_candidates"] >= 5
     spans: dict[str, list[tuple[float, float, str]]] = {}
     for p in rows(tmp_path / "out", "participation.jsonl"):
         spans.setdefault(p["device"], []).append((p["started_at"], p["finished_at"], p["job"]))

@@ -205,6 +205,11 @@ async def _simulate(
     for runner in runners:
         job = ledger.jobs[runner.job.id]
         (models / f"{job.name}.safetensors").write_bytes(blobs.get(job.checkpoint_sha256))
+        learned = runner.selector.state()
+        if learned:  # e.g. an rl policy, to start a real job from: scheduling.params.policy_file
+            selectors = out_dir / "selectors"
+            selectors.mkdir(exist_ok=True)
+            (selectors / f"{job.name}.json").write_text(json.dumps(learned))
         history = ledger.history[job.id]
         summary_jobs[job.name] = {
             "state": job.state,
