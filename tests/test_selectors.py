@@ -31,6 +31,7 @@ from flotilla.scheduling import (
     make_selector,
     selection_variance,
 )
+from flotilla.scheduling.bayesian import log_expected_improvement
 from flotilla.scheduling.rl import RLSelector
 from flotilla.simulation import load_experiment, run_experiment
 from tests.test_simulation import experiment_file, rows
@@ -252,7 +253,9 @@ def test_selector_names_and_params_are_checked_in_the_spec() -> None:
     from flotilla.engine import validate_spec
 
     validate_spec(spec)
-    with pytest.raises(SpecError, match="'nope' is not one of random, fedcs, greedy, oort, rl"):
+    with pytest.raises(
+        SpecError, match="'nope' is not one of random, fedcs, greedy, oort, rl, bayesian"
+    ):
         validate_spec(JobSpec.from_dict({"scheduling": {"selector": "nope"}}))
     with pytest.raises(SpecError, match=r"scheduling\.params\.explore"):
         validate_spec(
@@ -377,3 +380,51 @@ def test_rl_state_round_trips_and_a_policy_file_starts_a_new_job(tmp_path: Path)
     assert restored.select(JOB, devices, 5) == from_file.select(JOB, devices, 5)
     with pytest.raises(SpecError, match="policy"):
         rl_selector(pool, policy_file=str(tmp_path / "missing.json"))
+
+
+# --- bayesian ------------------------------------------------------------------------------
+
+
+def test_log_expected_improvement_is_exact_near_and_finite_far() -> None:
+    from scipy.stats import norm
+
+    z = np.linspace(-4.5, 4.0, 50)
+    exact = np.log(z * norm.cdf(z) + norm.pdf(z))
+    assert np.allclose(log_expected_improvement(z), exact, atol=1e-9)
+    far = log_expected_improvement(np.array([-5.5, -10.0, -40.0]))
+    assert np.all(np.isfinite(far)) and np.all(np.diff(far) < 0)
+    assert far[0] == pytest.approx(float(np.log(-5.5 * norm.cdf(-5.5) + norm.pdf(-5.5))), abs=1e-9)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "botorch"])
+def test_bayesian_finds_cheaper_device_sets_than_random(backend: str) -> None:
+    devices = fleet(200, seed=5)
+    late: dict[str, float] = {}
+    for name in ("random", "bayesian"):
+        pool = pool_of(devices)
+        play(pool, 0, [d.device_id for d in devices])
+        section = SchedulingSection(
+            selector=name, params={"backend": backend} if name == "bayesian" else {}, beta=0.0
+        )
+        selector = make_selector(section, pool, random.Random(1), deadline_s=60.0)
+        times = []
+        for r in range(1, 31):
+            picked = selector.select(JOB, devices, 10)
+            play(pool, r, picked)
+            outcome = RoundOutcome(
+                JOB,
+                r,
+                {d: true_seconds(pool.profile(d)) for d in picked},
+                (),
+                tuple(picked),  # type: ignore[arg-type]
+            )
+            selector.observe(outcome)
+            times.append(max(outcome.durations.values()))
+        late[name] = float(np.median(times[-15:]))
+        if name == "bayesian":
+            state = selector.state()
+            assert len(state["y"]) == 30
+            again = make_selector(section, pool, random.Random(1), deadline_s=60.0)
+            again.restore(json.loads(json.dumps(state)))
+            assert again.state() == state
+    assert late["bayesian"] < 0.5 * late["random"], late

@@ -102,7 +102,7 @@ class SchedulingSection:
     it works with are ``job.round_deadline_s`` and ``job.over_selection``."""
 
     #: One of ``flotilla.scheduling.SELECTOR_NAMES``: ``random``, ``fedcs``, ``greedy``,
-    #: ``oort``, ``rl``.
+    #: ``oort``, ``rl``, ``bayesian``.
     selector: str = "random"
     #: The selector's parameters, e.g. ``{exploration = 0.5}`` for ``oort``; a name the
     #: selector does not know is an error listing the ones it does.

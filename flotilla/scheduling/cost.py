@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flotilla.scheduling.history import RoundOutcome
+
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
@@ -19,6 +21,17 @@ class CostModel:
     def cost(self, round_seconds: float, counts_after: np.ndarray) -> float:
         """Cost of a round of ``round_seconds`` that leaves selection counts ``counts_after``."""
         return self.alpha * round_seconds + self.beta * selection_variance(counts_after)
+
+
+def observed_cost(
+    cost: CostModel, outcome: RoundOutcome, deadline_s: float, counts_after: np.ndarray
+) -> float:
+    """A closed round's actual cost: T is its slowest delivered device, and each device
+    that failed counts as a deadline-long wait spread over the round."""
+    times = list(outcome.durations.values())
+    slowest = max(times) if times else deadline_s
+    failed = len(outcome.failures) / max(len(outcome.selected) or len(times), 1)
+    return cost.cost(slowest + failed * deadline_s, counts_after)
 
 
 def selection_variance(counts: np.ndarray) -> float:

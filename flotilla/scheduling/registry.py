@@ -10,6 +10,7 @@ from typing import Any
 
 from flotilla.core.errors import SpecError
 from flotilla.core.spec import SchedulingSection, build_dataclass
+from flotilla.scheduling.bayesian import BayesianParams, BayesianSelector
 from flotilla.scheduling.cost import CostModel
 from flotilla.scheduling.duration import DurationModel
 from flotilla.scheduling.heuristics import (
@@ -42,6 +43,12 @@ class SelectorInfo:
     params: type
     build: Callable[[SelectionContext, Any], Selector]
     summary: str
+
+
+def _bayesian(context: SelectionContext, params: BayesianParams) -> Selector:
+    return BayesianSelector(
+        context.durations, context.cost, context.deadline_s, context.rng, params
+    )
 
 
 def _rl(context: SelectionContext, params: RLParams) -> Selector:
@@ -87,6 +94,12 @@ _SELECTORS: Mapping[str, SelectorInfo] = MappingProxyType(
                 RLParams,
                 _rl,
                 "policy network scoring devices, REINFORCE on round cost",
+            ),
+            SelectorInfo(
+                "bayesian",
+                BayesianParams,
+                _bayesian,
+                "GP surrogate of round cost over candidate sets, log expected improvement",
             ),
         )
     }

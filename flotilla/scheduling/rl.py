@@ -27,7 +27,7 @@ import numpy as np
 
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import SpecError
-from flotilla.scheduling.cost import CostModel, selection_variance
+from flotilla.scheduling.cost import CostModel, observed_cost
 from flotilla.scheduling.duration import DurationModel
 from flotilla.scheduling.features import DEVICE_FEATURES, device_features, job_features
 from flotilla.scheduling.history import RoundOutcome
@@ -147,13 +147,8 @@ class RLSelector:
         self.updates += 1
 
     def round_cost(self, outcome: RoundOutcome, candidate_ids: Sequence[str]) -> float:
-        """Observed ``alpha * T + beta * F``; a failed device costs a deadline-long wait."""
-        times = list(outcome.durations.values())
-        slowest = max(times) if times else self._deadline
-        failed = len(outcome.failures) / max(len(outcome.selected) or len(times), 1)
-        t = slowest + failed * self._deadline
         counts = self._model.history.selection_counts(outcome.job_id, candidate_ids)
-        return self._cost.alpha * t + self._cost.beta * selection_variance(counts)
+        return observed_cost(self._cost, outcome, self._deadline, counts)
 
     def state(self) -> dict[str, Any]:
         return {
