@@ -144,6 +144,30 @@ def test_classes_get_their_share_and_lognormal_speeds() -> None:
     assert draw_devices(spec, seed=4) != devices
 
 
+def test_slow_devices_hold_different_labels_when_asked() -> None:
+    """``speed_order = "ascending"`` with digits ``label_skew = "by_index"``: the related
+    scenario of the scheduling study."""
+    from flotilla.tasks import Shard
+    from flotilla.tasks.digits import DigitsTask
+
+    spec = PopulationSection(clients=200, speed_order="ascending")
+    devices = draw_devices(spec, seed=1)
+    speeds = [d.speed for d in devices]
+    assert speeds == sorted(speeds) and [d.index for d in devices] == list(range(200))
+    assert sorted(speeds) == sorted(
+        d.speed for d in draw_devices(PopulationSection(clients=200), seed=1)
+    ), "the same fleet, reordered"
+    task = DigitsTask()
+    data = DataSection(alpha=0.5, params={"augment": True, "label_skew": "by_index"})
+    modes = [
+        int(np.bincount(task.load_shard(Shard(i, 200), data).train[1].numpy()).argmax())
+        for i in range(0, 200, 5)
+    ]
+    expected = [i * 10 // 200 for i in range(0, 200, 5)]
+    agree = sum(m == e for m, e in zip(modes, expected, strict=True)) / len(modes)
+    assert agree >= 0.8, (modes, expected)
+
+
 def test_round_time_is_compute_plus_transfer_plus_latency() -> None:
     device = draw_devices(PopulationSection(clients=1), seed=0)[0]
     seconds = device.round_seconds(50, 2, 0.01, down=1_000_000, up=500_000)

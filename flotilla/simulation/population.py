@@ -9,6 +9,7 @@ is a process per device: always on, exponential on/off sessions, or a daily wind
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -67,12 +68,20 @@ class PopulationSection:
     dropout_detect_s: float = 30.0
     #: CSV trace of device profiles (see docs/simulation.md); overrides ``classes``.
     trace: str = ""
+    #: ``random``, or ``ascending``: device index follows compute speed (device 0 the
+    #: slowest), so a task whose data follows the shard index (the digits task's
+    #: ``label_skew = "by_index"``) gives slow devices different data than fast ones.
+    speed_order: str = "random"
     classes: tuple[DeviceClass, ...] = (DeviceClass(),)
     availability: AvailabilitySection = field(default_factory=AvailabilitySection)
 
     def __post_init__(self) -> None:
         if self.clients < 1:
             raise SpecError(f"population.clients must be >= 1, got {self.clients}")
+        if self.speed_order not in ("random", "ascending"):
+            raise SpecError(
+                f"population.speed_order must be random or ascending, got {self.speed_order!r}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise SpecError(f"population.dropout must be in [0, 1), got {self.dropout}")
         for name in ("seconds_per_sample", "dropout_detect_s"):
@@ -127,8 +136,17 @@ TRACE_COLUMNS = ("speed", "upload_mbps", "download_mbps", "latency_ms")
 
 def draw_devices(spec: PopulationSection, seed: int) -> list[VirtualDevice]:
     """The fleet: from the trace when one is given, else drawn from the classes."""
-    if spec.trace:
-        return _from_trace(Path(spec.trace), spec.clients)
+    devices = _from_trace(Path(spec.trace), spec.clients) if spec.trace else _draw(spec, seed)
+    if spec.speed_order == "ascending":
+        by_speed = sorted(devices, key=lambda d: (d.speed, d.index))
+        devices = [
+            dataclasses.replace(d, index=i, device_id=f"sim-{i:06d}")
+            for i, d in enumerate(by_speed)
+        ]
+    return devices
+
+
+def _draw(spec: PopulationSection, seed: int) -> list[VirtualDevice]:
     rng = np.random.default_rng([seed % 2**32, 0])
     shares = np.array([c.share for c in spec.classes], dtype=np.float64)
     kinds = rng.choice(len(spec.classes), size=spec.clients, p=shares / shares.sum())

@@ -79,9 +79,9 @@ class DigitsMLP(nn.Module):
     wire); zero-mean inputs make the few local steps of each round count for much more.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: tuple[int, ...] = HIDDEN) -> None:
         super().__init__()
-        widths = (64, *HIDDEN)
+        widths = (64, *hidden)
         layers: list[nn.Module] = []
         for d_in, d_out in itertools.pairwise(widths):
             layers += [nn.Linear(d_in, d_out), nn.ReLU()]
@@ -104,6 +104,11 @@ class AugmentParams:
     max_rotation: float = 15.0
     max_shift: float = 1.0
     noise: float = 0.05
+    #: ``random``: each shard's Dirichlet(alpha) label mix is drawn independently;
+    #: ``by_index``: its largest share goes to label ``index * 10 // count``, so the data
+    #: follows the shard index (with ``population.speed_order = "ascending"``: slow
+    #: devices hold different labels than fast ones).
+    label_skew: str = "random"
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> AugmentParams:
@@ -112,6 +117,8 @@ class AugmentParams:
         made = build_dataclass(cls, params, "digits task", "data.params.")
         if not 2 <= made.min_samples <= made.max_samples:
             raise ValueError("data.params: need 2 <= min_samples <= max_samples")
+        if made.label_skew not in ("random", "by_index"):
+            raise ValueError("data.params.label_skew must be random or by_index")
         return made
 
 
@@ -142,6 +149,9 @@ def augment_digits(images: np.ndarray, rng: np.random.Generator, p: AugmentParam
 class DigitsTask:
     """MLP classifier on ``sklearn.datasets.load_digits``; implements :class:`Task`."""
 
+    #: Widths of the hidden layers.
+    hidden: tuple[int, ...] = HIDDEN
+
     def __init__(self) -> None:
         self._split: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._partitions: dict[tuple[int, float, int], list[np.ndarray]] = {}
@@ -165,7 +175,7 @@ class DigitsTask:
         # Built on the meta device and filled from a private generator: the global RNG is
         # neither consumed nor needed for reproducibility.
         with torch.device("meta"):
-            model = DigitsMLP()
+            model = DigitsMLP(self.hidden)
         model = model.to_empty(device="cpu")
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -202,6 +212,12 @@ class DigitsTask:
         rng = np.random.default_rng([data.seed % 2**64, shard.count, shard.index, 1])
         n = int(rng.integers(p.min_samples, p.max_samples + 1))
         mix = np.nan_to_num(rng.dirichlet(np.full(NUM_CLASSES, data.alpha)), nan=0.1)
+        if p.label_skew == "by_index":
+            dominant = shard.index * NUM_CLASSES // shard.count
+            others = rng.permutation([c for c in range(NUM_CLASSES) if c != dominant])
+            ranked = np.sort(mix)[::-1]
+            mix = np.empty(NUM_CLASSES)
+            mix[dominant], mix[others] = ranked[0], ranked[1:]
         labels = rng.choice(NUM_CLASSES, size=n, p=mix / mix.sum())
         source = np.empty(n, dtype=np.int64)
         for c in range(NUM_CLASSES):
@@ -290,3 +306,10 @@ class DigitsTask:
 def _tensors(x: np.ndarray, y: np.ndarray, positions: np.ndarray) -> Examples:
     """Owned tensors for the chosen rows (fancy indexing copies, so no aliasing)."""
     return torch.from_numpy(x[positions]), torch.from_numpy(y[positions])
+
+
+class WideDigitsTask(DigitsTask):
+    """The digits task with a ~12x larger MLP (64-1024-512-10, 596k parameters): the same
+    learning problem, but bound by transfer on slow links (for scheduling studies)."""
+
+    hidden = (1024, 512)
