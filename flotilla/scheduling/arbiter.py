@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,6 +43,8 @@ class Grant:
     contenders: int
     #: Idle devices this job could use when it was decided.
     candidates: int
+    #: CPU seconds the job's selector took to choose.
+    select_cpu_s: float = 0.0
     _arbiter: Arbiter | None = field(default=None, repr=False)
 
     def claim(self) -> list[str]:
@@ -57,6 +60,9 @@ class Grant:
             "sched_wait_s": self.waited_s,
             "sched_contenders": float(self.contenders),
             "sched_candidates": float(self.candidates),
+            "sched_selected": float(len(self.devices)),
+            # CPU time varies run to run: "wall" keys are left out when runs are compared.
+            "wall_sched_cpu_s": self.select_cpu_s,
         }
 
 
@@ -137,10 +143,14 @@ class Arbiter:
             later = len(ready) - i - 1
             share = len(candidates) // (later + 1)
             cap = min(req.want, max(share, req.min_quorum))
+            cpu = time.process_time()
             chosen = req.selector.select(req.job_id, candidates, cap)
+            cpu = time.process_time() - cpu
             for device_id in chosen:
                 self._reserved[device_id] = req.job_id
-            grant = Grant(req.job_id, chosen, now - waiter.since, len(ready), len(candidates), self)
+            grant = Grant(
+                req.job_id, chosen, now - waiter.since, len(ready), len(candidates), cpu, self
+            )
             grants.append(grant)
             del self._waiting[req.job_id]
             waiter.future.set_result(grant)
