@@ -1,7 +1,8 @@
 """``bayesian``: choose among candidate device sets by a Gaussian-process model of their cost.
 
 Each round a finite list of candidate sets is drawn (rules that weigh speed, fairness,
-loss and reliability differently, with noise; plus a uniform one and the fastest one).
+loss and reliability differently, with noise; plus a uniform one, the fastest one and the
+greedy selector's choice).
 A set is described by what its devices are like (mean and worst predicted time, failure
 odds, how often they served, staleness, loss, share explored), never by who they are, so
 what was learned about one set transfers to sets never tried. A GP maps those features to
@@ -9,10 +10,11 @@ the round cost ``alpha * T + beta * F`` observed after each round, and the set w
 highest log expected improvement is taken (Ament et al. 2023's LogEI, which does not
 vanish numerically far from the best).
 
-With the ``bayes`` extra installed (BoTorch, GPyTorch) the GP is BoTorch's
+With ``backend = "botorch"`` (the ``bayes`` extra: BoTorch, GPyTorch) the GP is BoTorch's
 ``SingleTaskGP`` with fitted hyperparameters (refitted every ``refit_every`` rounds, warm
-in between) and ``LogExpectedImprovement``; without it, a small exact GP with fixed
-hyperparameters on standardized data. The observations are the selector's state.
+in between) and ``LogExpectedImprovement``; by default a small exact GP with fixed
+hyperparameters on standardized data, ~30x cheaper per decision. The observations are the
+selector's state.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from flotilla.core.errors import SpecError
 from flotilla.scheduling.cost import CostModel, observed_cost
 from flotilla.scheduling.duration import DurationModel
 from flotilla.scheduling.features import DEVICE_FEATURES, device_features
+from flotilla.scheduling.heuristics import GreedyParams, GreedySelector
 from flotilla.scheduling.history import RoundOutcome
 
 _COL = {name: i for i, name in enumerate(DEVICE_FEATURES)}
@@ -55,8 +58,10 @@ class BayesianParams:
     window: int = 128
     #: Rounds that take a random candidate before the GP has enough to go on.
     warmup_rounds: int = 4
-    #: ``auto`` (BoTorch when installed), ``botorch`` or ``numpy``.
-    backend: str = "auto"
+    #: ``numpy`` (a fixed-hyperparameter GP: ~0.3 ms a decision), ``botorch`` (fitted
+    #: hyperparameters; the ``bayes`` extra; ~8 ms a decision plus ~130 ms a refit and
+    #: ~1 s for the first) or ``auto`` (BoTorch when installed).
+    backend: str = "numpy"
     #: BoTorch: refit the GP's hyperparameters every this many observations.
     refit_every: int = 10
 
@@ -107,6 +112,7 @@ class BayesianSelector:
         self._rng = rng
         self._p = params
         self._gp = _make_gp(params)
+        self._greedy = GreedySelector(model, cost, GreedyParams())
         self._x: list[list[float]] = []
         self._y: list[float] = []
         self._pending: tuple[str, np.ndarray, list[str]] | None = None
@@ -118,7 +124,11 @@ class BayesianSelector:
         count = min(count, n)
         gen = np.random.default_rng(self._rng.getrandbits(64))
         rows = device_features(self._model, job_id, candidates, self._deadline).astype(np.float64)
-        sets = candidate_sets(rows, count, self._p.candidates, gen)
+        sets = candidate_sets(rows, count, self._p.candidates - 1, gen)
+        # The cost-aware greedy choice is always a candidate: the GP decides when to deviate.
+        where = {c.device_id: i for i, c in enumerate(candidates)}
+        greedy = self._greedy.select(job_id, candidates, count)
+        sets.append(np.array([where[d] for d in greedy], dtype=np.int64))
         x = np.stack([set_features(rows[s]) for s in sets])
         if len(self._y) < self._p.warmup_rounds:
             pick = int(gen.integers(len(sets)))
@@ -134,8 +144,7 @@ class BayesianSelector:
         if pending is None or pending[0] != outcome.job_id:
             return
         _, x, ids = pending
-        counts = self._model.history.selection_counts(outcome.job_id, ids)
-        cost = observed_cost(self._cost, outcome, self._deadline, counts)
+        cost = observed_cost(self._cost, outcome, self._deadline, self._model.history, ids)
         self._x.append([float(v) for v in x])
         self._y.append(cost / max(self._deadline, 1e-6))
         del self._x[: -self._p.window], self._y[: -self._p.window]

@@ -6,11 +6,12 @@ each device has been selected for the job, so spreading work lowers it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from flotilla.scheduling.history import RoundOutcome
+from flotilla.scheduling.history import FleetHistory, RoundOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,14 +25,27 @@ class CostModel:
 
 
 def observed_cost(
-    cost: CostModel, outcome: RoundOutcome, deadline_s: float, counts_after: np.ndarray
+    cost: CostModel,
+    outcome: RoundOutcome,
+    deadline_s: float,
+    history: FleetHistory,
+    candidate_ids: Sequence[str],
 ) -> float:
-    """A closed round's actual cost: T is its slowest delivered device, and each device
-    that failed counts as a deadline-long wait spread over the round."""
+    """A closed round's actual cost, for selectors that learn from it.
+
+    T is its slowest delivered device, and each device that failed counts as a
+    deadline-long wait spread over the round. F is what this round added to the variance
+    of the candidates' selection counts: the job's total F reflects every earlier round,
+    which this round's choice can no longer change.
+    """
     times = list(outcome.durations.values())
     slowest = max(times) if times else deadline_s
     failed = len(outcome.failures) / max(len(outcome.selected) or len(times), 1)
-    return cost.cost(slowest + failed * deadline_s, counts_after)
+    after = history.selection_counts(outcome.job_id, candidate_ids)
+    picked = set(outcome.selected)
+    before = after - np.array([d in picked for d in candidate_ids], dtype=np.float64)
+    added = selection_variance(after) - selection_variance(before)
+    return cost.alpha * (slowest + failed * deadline_s) + cost.beta * added
 
 
 def selection_variance(counts: np.ndarray) -> float:

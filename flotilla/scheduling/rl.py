@@ -147,8 +147,8 @@ class RLSelector:
         self.updates += 1
 
     def round_cost(self, outcome: RoundOutcome, candidate_ids: Sequence[str]) -> float:
-        counts = self._model.history.selection_counts(outcome.job_id, candidate_ids)
-        return observed_cost(self._cost, outcome, self._deadline, counts)
+        history = self._model.history
+        return observed_cost(self._cost, outcome, self._deadline, history, candidate_ids)
 
     def state(self) -> dict[str, Any]:
         return {
