@@ -98,6 +98,41 @@ def test_two_jobs_share_eight_agents_without_overlap(
                 assert a.finished_at <= b.started_at, f"{device} served two jobs at once: {a} {b}"
 
 
+def test_learned_selectors_share_real_agents_decided_jointly(
+    server: ServerProcess, fleet: AgentFleet, digits_spec: Path
+) -> None:
+    """Three jobs, three selectors, six agents: the arbiter splits the fleet between the
+    jobs that ask at once; no device serves two jobs at a time."""
+    fleet.start(6)
+    jobs = [
+        server.submit(
+            digits_spec,
+            "job.rounds=6",
+            "job.clients_per_round=4",  # 12 wanted of 6 agents: the jobs wait together
+            "job.min_quorum=2",
+            f"job.name={selector}",
+            f"scheduling.selector={selector}",
+        )
+        for selector in ("rl", "bayesian", "oort")
+    ]
+    contenders = []
+    for job_id in jobs:
+        status = server.wait_for(job_id, timeout=400)
+        assert status["state"] == "completed", status
+        rounds = server.status(job_id, rounds=True)["rounds"]
+        contenders += [r["metrics"]["sched_contenders"] for r in rounds]
+        assert all(r["metrics"]["sched_selected"] >= 1 for r in rounds)
+    assert max(contenders) >= 2, "jobs asking at once are decided together"
+    by_device: dict[str, list] = {}
+    for r in participations(server):
+        by_device.setdefault(r.device_id, []).append(r)
+    for device, spans in by_device.items():
+        spans.sort(key=lambda r: r.started_at)
+        for a, b in itertools.pairwise(spans):
+            if a.job_id != b.job_id:
+                assert a.finished_at <= b.started_at, f"{device} served two jobs at once: {a} {b}"
+
+
 ROUNDS = 30
 
 
