@@ -123,6 +123,12 @@ def test_learned_selectors_share_real_agents_decided_jointly(
         contenders += [r["metrics"]["sched_contenders"] for r in rounds]
         assert all(r["metrics"]["sched_selected"] >= 1 for r in rounds)
     assert max(contenders) >= 2, "jobs asking at once are decided together"
+    refused = server.operator(
+        "job", "submit", str(digits_spec), "--set", "scheduling.selector=rl",
+        "--set", "scheduling.params.policy_file=/nonexistent/policy.json", check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "policy_file" in refused.stderr
+    assert len(json.loads(server.operator("job", "list", "--json").stdout)) == 3
     by_device: dict[str, list] = {}
     for r in participations(server):
         by_device.setdefault(r.device_id, []).append(r)

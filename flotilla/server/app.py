@@ -26,7 +26,7 @@ from flotilla.engine import EngineConfig, JobRunner, validate_spec
 from flotilla.engine.evaluation import initial_model, server_evaluator
 from flotilla.proto import bulk, handlers
 from flotilla.proto import flotilla_pb2 as pb
-from flotilla.scheduling import Arbiter, DevicePool, make_selector
+from flotilla.scheduling import Arbiter, DevicePool, Selector, make_selector
 from flotilla.server import auth
 from flotilla.server.agent_service import AgentService, profile_from_pb
 from flotilla.server.budget import ByteBudget
@@ -224,9 +224,19 @@ class FederationServer:
 
     # --- jobs ----------------------------------------------------------------------------
 
+    def _selector(self, spec: JobSpec) -> Selector:
+        return make_selector(
+            spec.scheduling,
+            self.pool,
+            random.Random(self._rng.random()),
+            spec.job.round_deadline_s,
+            spec.job.rounds,
+        )
+
     async def submit_job(self, spec_json: str) -> JobRecord:
         spec = JobSpec.from_json(spec_json, "submitted spec")
         validate_spec(spec)
+        self._selector(spec)  # e.g. an rl policy_file that is missing: refused now
         try:
             model_bytes = await asyncio.to_thread(initial_model, spec)
         except TaskLoadError as exc:
@@ -260,13 +270,7 @@ class FederationServer:
             spec=spec,
             backend=self.gateway,
             pool=self.pool,
-            selector=make_selector(
-                spec.scheduling,
-                self.pool,
-                random.Random(self._rng.random()),
-                spec.job.round_deadline_s,
-                spec.job.rounds,
-            ),
+            selector=self._selector(spec),
             ledger=self.store,
             blobs=self.blobs,
             evaluator=None,
