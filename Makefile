@@ -35,6 +35,7 @@ bench:
 	$(PY) benchmarks/aggregation.py --quick
 	$(PY) benchmarks/compression.py --quick
 	$(PY) benchmarks/simulation.py --quick
+	$(PY) benchmarks/scheduling.py --quick
 
 proto:
 	$(PY) -m flotilla.proto.generate
