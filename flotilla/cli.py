@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     _server_parser(commands)
     _client_parser(commands)
     _job_parser(commands)
+    _devices_parser(commands)
     demo = commands.add_parser("demo", help="a real local federation: server, 8 agents, 2 jobs")
     demo.add_argument("--agents", type=int, default=8)
     demo.add_argument("--rounds", type=int, default=20)
@@ -258,6 +259,41 @@ def _job_parser(commands: Any) -> None:
     export = add("export", "download a job's latest model as safetensors", _job_export)
     export.add_argument("job_id")
     export.add_argument("--out", type=Path, required=True)
+
+
+def _devices_parser(commands: Any) -> None:
+    devices = commands.add_parser("devices", help="inspect the devices enrolled on a server")
+    sub = devices.add_subparsers(title="device commands", metavar="ACTION")
+    listing = sub.add_parser("list", help="every device: offline, idle, busy or ineligible")
+    listing.add_argument("--server", default="127.0.0.1:7070", help="HOST:PORT")
+    listing.add_argument("--state-dir", type=Path, default=None, help="reads operator.token here")
+    listing.add_argument("--token", default=None, help="operator token")
+    listing.add_argument("--tls-ca", type=Path, default=None)
+    listing.add_argument("--task", default="", help="mark devices without this task ineligible")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(handler=_devices_list)
+
+
+def _devices_list(args: argparse.Namespace) -> int:
+    from flotilla.server.remote import device_json
+
+    async def go() -> int:
+        async with _remote(args) as remote:
+            devices = [device_json(d) for d in await remote.devices(args.task)]
+        if args.json:
+            print(json.dumps(devices, indent=2))
+            return 0
+        print(f"{'ID':20} {'STATE':10} {'JOB / REASON':28} {'GFLOPS':>8} {'UP MB/s':>8} SELECTED")
+        for d in devices:
+            note = d["job_id"] or d["reason"] or ""
+            picks = sum(d["selected"].values())
+            print(
+                f"{d['id']:20} {d['state']:10} {note[:28]:28} {d['gflops']:8.1f} "
+                f"{d['upload_bytes_per_s'] / 1e6:8.1f} {picks}"
+            )
+        return 0
+
+    return asyncio.run(go())
 
 
 def _remote(args: argparse.Namespace) -> Any:

@@ -121,6 +121,16 @@ def _agent_calls(live: LiveServer, t: Target) -> dict[str, Callable[[Any], Any]]
             live.sync_agent.SpeedTest, [pb.SpeedChunk(data=bytes(1024))] * 4, md
         ),
         "Leave": lambda md: a.Leave(pb.LeaveRequest(reason="stolen"), metadata=md, timeout=10),
+        "ReserveUpload": lambda md: a.ReserveUpload(
+            pb.ReserveUploadRequest(
+                job_id=t.job_id,
+                round=t.task.round,
+                round_token=t.task.round_token,
+                payload_size=1024,
+            ),
+            metadata=md,
+            timeout=10,
+        ),
     }
 
 
@@ -139,6 +149,7 @@ def _operator_calls(live: LiveServer, job_id: str) -> dict[str, Callable[[Any], 
         "ExportModel": lambda md: _drain(
             o.ExportModel(pb.GetJobRequest(job_id=job_id), metadata=md, timeout=10)
         ),
+        "ListDevices": lambda md: o.ListDevices(pb.ListDevicesRequest(), metadata=md, timeout=10),
     }
 
 
@@ -158,6 +169,12 @@ async def test_bad_credentials_are_refused_on_every_rpc_and_leave_no_trace(
     assert len(before["devices"]) == 2 and len(before["jobs"]) == 1
 
     device_md = _bad_device_metadata(victim, other, live.operator_token, enrol_token)
+    # Every call of both services is tried (Enrol is unauthenticated by design).
+    services = pb.DESCRIPTOR.services_by_name
+    assert set(_agent_calls(live, target)) == {m.name for m in services["Agent"].methods} - {
+        "Enrol"
+    }
+    assert set(_operator_calls(live, job_id)) == {m.name for m in services["Operator"].methods}
     for rpc, call in _agent_calls(live, target).items():
         for variant, md in device_md.items():
             try:

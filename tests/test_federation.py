@@ -129,6 +129,13 @@ def test_learned_selectors_share_real_agents_decided_jointly(
     )  # fmt: skip
     assert refused.returncode != 0 and "policy_file" in refused.stderr
     assert len(json.loads(server.operator("job", "list", "--json").stdout)) == 3
+    devices = json.loads(server.operator("devices", "list", "--json").stdout)
+    assert len(devices) == 6 and {d["state"] for d in devices} == {"idle"}
+    assert sum(sum(d["selected"].values()) for d in devices) >= 3 * 6 * 2
+    other = json.loads(server.operator("devices", "list", "--task", "x.y:Other", "--json").stdout)
+    assert {(d["state"], d["reason"]) for d in other} == {
+        ("ineligible", "task x.y:Other is not installed")
+    }
     by_device: dict[str, list] = {}
     for r in participations(server):
         by_device.setdefault(r.device_id, []).append(r)
@@ -276,7 +283,7 @@ def test_cli_help_for_every_command() -> None:
     for args in (
         [], ["server"], ["server", "token", "create"], ["client"], ["job"],
         ["job", "submit"], ["job", "list"], ["job", "status"], ["job", "cancel"],
-        ["job", "export"], ["demo"],
+        ["job", "export"], ["devices"], ["devices", "list"], ["demo"],
     ):  # fmt: skip
         out = flotilla(*args, "--help").stdout
         assert "usage: flotilla" in out

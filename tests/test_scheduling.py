@@ -166,3 +166,14 @@ def test_random_selector_spreads_over_all_candidates() -> None:
     selector = RandomSelector(random.Random(1))
     seen = {d for _ in range(100) for d in selector.select("job", CANDIDATES, 4)}
     assert len(seen) == len(CANDIDATES)
+
+
+def test_describe_says_what_each_device_is_doing_and_why_not(pool: DevicePool) -> None:
+    pool.claim(["d1"], "job-x")
+    pool.leave("d4")
+    views = {v.device_id: v for v in pool.describe("B")}
+    assert views["d1"].state == "busy" and views["d1"].job_id == "job-x"
+    assert views["d4"].state == "offline"
+    assert views["d5"].state == "ineligible" and views["d5"].reason == "task B is not installed"
+    assert views["d2"].state == views["d3"].state == "idle"
+    assert {v.state for v in pool.describe()} == {"busy", "offline", "idle"}

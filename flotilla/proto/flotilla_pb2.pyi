@@ -293,3 +293,44 @@ class ListJobsReply(_message.Message):
     JOBS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
+
+class ListDevicesRequest(_message.Message):
+    __slots__ = ("task",)
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    def __init__(self, task: _Optional[str] = ...) -> None: ...
+
+class DeviceInfo(_message.Message):
+    __slots__ = ("id", "state", "job_id", "reason", "tasks", "gflops", "upload_bytes_per_s", "last_seen", "selected")
+    class SelectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    GFLOPS_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    state: str
+    job_id: str
+    reason: str
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    gflops: float
+    upload_bytes_per_s: float
+    last_seen: float
+    selected: _containers.ScalarMap[str, int]
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ..., reason: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., gflops: _Optional[float] = ..., upload_bytes_per_s: _Optional[float] = ..., last_seen: _Optional[float] = ..., selected: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ListDevicesReply(_message.Message):
+    __slots__ = ("devices",)
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
+    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...

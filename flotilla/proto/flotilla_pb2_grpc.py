@@ -439,6 +439,11 @@ class OperatorStub:
                 request_serializer=flotilla_dot_proto_dot_flotilla__pb2.GetJobRequest.SerializeToString,
                 response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.BlobChunk.FromString,
                 _registered_method=True)
+        self.ListDevices = channel.unary_unary(
+                '/flotilla.v1.Operator/ListDevices',
+                request_serializer=flotilla_dot_proto_dot_flotilla__pb2.ListDevicesRequest.SerializeToString,
+                response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.ListDevicesReply.FromString,
+                _registered_method=True)
 
 
 class OperatorServicer:
@@ -474,6 +479,13 @@ class OperatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListDevices(self, request, context):
+        """Every enrolled device and its state: offline, idle, busy (with a job) or ineligible.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OperatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -501,6 +513,11 @@ def add_OperatorServicer_to_server(servicer, server):
                     servicer.ExportModel,
                     request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.GetJobRequest.FromString,
                     response_serializer=flotilla_dot_proto_dot_flotilla__pb2.BlobChunk.SerializeToString,
+            ),
+            'ListDevices': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDevices,
+                    request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.ListDevicesRequest.FromString,
+                    response_serializer=flotilla_dot_proto_dot_flotilla__pb2.ListDevicesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -638,6 +655,33 @@ class Operator:
             '/flotilla.v1.Operator/ExportModel',
             flotilla_dot_proto_dot_flotilla__pb2.GetJobRequest.SerializeToString,
             flotilla_dot_proto_dot_flotilla__pb2.BlobChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDevices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flotilla.v1.Operator/ListDevices',
+            flotilla_dot_proto_dot_flotilla__pb2.ListDevicesRequest.SerializeToString,
+            flotilla_dot_proto_dot_flotilla__pb2.ListDevicesReply.FromString,
             options,
             channel_credentials,
             insecure,

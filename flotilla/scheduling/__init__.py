@@ -21,7 +21,7 @@ from flotilla.scheduling.heuristics import (
     OortSelector,
 )
 from flotilla.scheduling.history import DeviceRecord, FleetHistory, RoundOutcome
-from flotilla.scheduling.pool import DevicePool, DeviceState
+from flotilla.scheduling.pool import DevicePool, DeviceState, DeviceView
 from flotilla.scheduling.registry import SELECTOR_NAMES, make_selector, selector_params
 from flotilla.scheduling.selector import RandomParams, RandomSelector, Selector
 
@@ -32,6 +32,7 @@ __all__ = [
     "DevicePool",
     "DeviceRecord",
     "DeviceState",
+    "DeviceView",
     "DurationModel",
     "FedCSParams",
     "FedCSSelector",

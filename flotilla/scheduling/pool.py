@@ -18,6 +18,18 @@ class DeviceState:
     busy_with: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceView:
+    """One device as an operator sees it."""
+
+    device_id: str
+    #: ``offline``, ``idle``, ``busy`` or ``ineligible``.
+    state: str
+    job_id: str = ""
+    reason: str = ""
+    last_seen: float = 0.0
+
+
 @dataclass(slots=True)
 class DevicePool:
     """Online devices and their occupancy; a device serves one job at a time.
@@ -110,6 +122,23 @@ class DevicePool:
     def is_online(self, device_id: str) -> bool:
         state = self._devices.get(device_id)
         return state is not None and state.online
+
+    def describe(self, task: str = "") -> list[DeviceView]:
+        """Every device the pool has seen, in id order; with ``task``, those lacking it are
+        ``ineligible`` (busy and offline say so first)."""
+        out = []
+        for device_id, s in sorted(self._devices.items()):
+            if not s.online:
+                view = DeviceView(device_id, "offline", last_seen=s.last_seen)
+            elif s.busy_with is not None:
+                view = DeviceView(device_id, "busy", s.busy_with, last_seen=s.last_seen)
+            elif task and task not in s.profile.tasks:
+                reason = f"task {task} is not installed"
+                view = DeviceView(device_id, "ineligible", reason=reason, last_seen=s.last_seen)
+            else:
+                view = DeviceView(device_id, "idle", last_seen=s.last_seen)
+            out.append(view)
+        return out
 
     def __len__(self) -> int:
         return sum(1 for s in self._devices.values() if s.online)

@@ -222,6 +222,33 @@ class FederationServer:
             )
         )
 
+    async def device_infos(self, task: str = "") -> list[pb.DeviceInfo]:
+        """Every enrolled device: the pool's view of those seen since start, the rest offline."""
+        views = {v.device_id: v for v in self.pool.describe(task)}
+        history = self.pool.history
+        out = []
+        for record in await self.store.list_devices():
+            view = views.get(record.id)
+            selected = {
+                job: rec.selected
+                for job, devices in history.records.items()
+                if (rec := devices.get(record.id)) is not None
+            }
+            out.append(
+                pb.DeviceInfo(
+                    id=record.id,
+                    state=view.state if view else "offline",
+                    job_id=view.job_id if view else "",
+                    reason=view.reason if view else "",
+                    tasks=list(record.tasks),
+                    gflops=record.profile.get("gflops", 0.0),
+                    upload_bytes_per_s=record.profile.get("upload_bytes_per_s", 0.0),
+                    last_seen=view.last_seen if view else 0.0,
+                    selected=selected,
+                )
+            )
+        return out
+
     # --- jobs ----------------------------------------------------------------------------
 
     def _selector(self, spec: JobSpec) -> Selector:

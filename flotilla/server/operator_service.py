@@ -105,6 +105,12 @@ class OperatorService(pb_grpc.OperatorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return job_info(job)
 
+    async def ListDevices(
+        self, request: pb.ListDevicesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListDevicesReply:
+        await self._operator(context)
+        return pb.ListDevicesReply(devices=await self.server.device_infos(request.task))
+
     async def ExportModel(
         self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:

@@ -34,6 +34,21 @@ def operator_token(state_dir: Path | None, token: str | None) -> str:
         raise AuthError(f"no operator token at {path}; has the server started there?") from exc
 
 
+def device_json(info: pb.DeviceInfo) -> dict[str, Any]:
+    """The ``devices list --json`` shape of one device."""
+    return {
+        "id": info.id,
+        "state": info.state,
+        "job_id": info.job_id or None,
+        "reason": info.reason or None,
+        "tasks": list(info.tasks),
+        "gflops": info.gflops,
+        "upload_bytes_per_s": info.upload_bytes_per_s,
+        "last_seen": info.last_seen or None,
+        "selected": dict(info.selected),
+    }
+
+
 def job_json(info: pb.JobInfo, with_rounds: bool = False) -> dict[str, Any]:
     """The ``job status --json`` shape."""
     out: dict[str, Any] = {
@@ -101,6 +116,10 @@ class RemoteServer:
     async def jobs(self) -> list[pb.JobInfo]:
         reply = await self._call(self._stub.ListJobs, pb.ListJobsRequest())
         return list(reply.jobs)
+
+    async def devices(self, task: str = "") -> list[pb.DeviceInfo]:
+        reply = await self._call(self._stub.ListDevices, pb.ListDevicesRequest(task=task))
+        return list(reply.devices)
 
     async def job(self, job_id: str, with_rounds: bool = False) -> pb.JobInfo:
         request = pb.GetJobRequest(job_id=job_id, with_rounds=with_rounds)
