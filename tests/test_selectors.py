@@ -428,3 +428,25 @@ def test_bayesian_finds_cheaper_device_sets_than_random(backend: str) -> None:
             again.restore(json.loads(json.dumps(state)))
             assert again.state() == state
     assert late["bayesian"] < 0.5 * late["random"], late
+
+
+def test_adaptive_over_selection_follows_the_observed_failure_rate(tmp_path: Path) -> None:
+    selected = {}
+    for dropout in (0.0, 0.3):
+        experiment = load_experiment(
+            experiment_file(tmp_path),
+            [
+                f"population.dropout={dropout}",
+                "population.clients=200",
+                "job.rounds=10",
+                "job.clients_per_round=20",
+                "job.min_quorum=10",
+                "job.over_selection=2.0",
+                "scheduling.adaptive_over_selection=true",
+            ],
+        )
+        out = tmp_path / f"drop-{dropout}"
+        run_experiment(experiment, out, progress=False)
+        selected[dropout] = [r["sched_selected"] for r in rows(out)]
+    assert selected[0.0][-1] <= 21, selected  # nothing fails: barely over 20
+    assert 24 <= selected[0.3][-1] <= 40, selected  # ~20 / 0.7, never over the cap of 2x

@@ -111,6 +111,9 @@ class SchedulingSection:
     #: time (seconds), F the variance of how often each device was selected.
     alpha: float = 1.0
     beta: float = 1.0
+    #: Select ``clients_per_round / (1 - the job's observed failure rate)`` devices, at
+    #: most ``clients_per_round * job.over_selection`` (which then is the cap, not the rule).
+    adaptive_over_selection: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

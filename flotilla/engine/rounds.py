@@ -237,7 +237,13 @@ class JobRunner:
     async def _select(self) -> tuple[Grant, float]:
         """Devices for a round, from the arbiter; also the sampling rate (privacy)."""
         job = self.spec.job
-        want = math.ceil(job.clients_per_round * job.over_selection)
+        factor = job.over_selection
+        if self.spec.scheduling.adaptive_over_selection:
+            # As production FL does: select k / (1 - expected failure rate), at most the
+            # spec's factor (so a bad stretch cannot take the whole fleet).
+            expected = self.pool.history.failure_rate(self.job.id)
+            factor = min(job.over_selection, 1.0 / max(1.0 - expected, 1e-3))
+        want = math.ceil(round(job.clients_per_round * factor, 9))  # 20 x 1.3 is 26
         assert self.arbiter is not None
         grant = await self.arbiter.acquire(
             Request(self.job.id, job.task, want, job.min_quorum, self.selector)

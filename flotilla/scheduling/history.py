@@ -95,6 +95,14 @@ class FleetHistory:
         for device_id, n in outcome.samples.items():
             job[device_id].last_samples = int(n)
 
+    def failure_rate(self, job_id: str, prior_failures: float = 1.0, prior: float = 20.0) -> float:
+        """Share of the job's selections that delivered nothing, shrunk toward
+        ``prior_failures / prior`` (5 %) while there are few."""
+        records = self.records.get(job_id, {}).values()
+        failures = sum(r.failures for r in records)
+        selected = sum(r.selected for r in records)
+        return (failures + prior_failures) / (selected + prior)
+
     def get(self, job_id: str, device_id: str) -> DeviceRecord | None:
         return self.records.get(job_id, {}).get(device_id)
 
