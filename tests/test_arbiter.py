@@ -113,3 +113,24 @@ async def test_a_device_claimed_elsewhere_meanwhile_is_skipped_at_claim() -> Non
     pool.leave(grant.devices[0])
     assert set(grant.claim()) == set(grant.devices[1:])
     await arbiter.close()
+
+
+class Broken(RandomSelector):
+    def select(self, job_id: str, candidates: list, count: int) -> list[str]:  # type: ignore[override]
+        raise ValueError("selector bug")
+
+
+async def test_a_failing_selector_fails_its_job_not_the_others() -> None:
+    pool = pool_with(6)
+    arbiter = arbiter_for(pool, grace_s=0.0)
+    bad = Request("bad", "t", 3, 1, Broken(random.Random(0)))
+    results = await asyncio.wait_for(
+        asyncio.gather(arbiter.acquire(bad), arbiter.acquire(request("good", 3)),
+                       return_exceptions=True),
+        5,
+    )  # fmt: skip
+    assert isinstance(results[0], ValueError)
+    assert len(results[1].devices) == 3  # type: ignore[union-attr]
+    grant = await asyncio.wait_for(arbiter.acquire(request("later", 3)), 5)
+    assert len(grant.devices) == 3, "the arbiter keeps serving"
+    await arbiter.close()

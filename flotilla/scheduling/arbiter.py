@@ -144,7 +144,12 @@ class Arbiter:
             share = len(candidates) // (later + 1)
             cap = min(req.want, max(share, req.min_quorum))
             cpu = time.process_time()
-            chosen = req.selector.select(req.job_id, candidates, cap)
+            try:
+                chosen = req.selector.select(req.job_id, candidates, cap)
+            except Exception as exc:  # the job fails; the arbiter serves the others
+                del self._waiting[req.job_id]
+                waiter.future.set_exception(exc)
+                continue
             cpu = time.process_time() - cpu
             for device_id in chosen:
                 self._reserved[device_id] = req.job_id
