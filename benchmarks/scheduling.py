@@ -41,6 +41,7 @@ Stdout carries exactly one JSON object; a one-line summary goes to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -374,14 +375,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     plan = QUICK if args.quick else FULL
     if args.seeds:
-        plan = Plan(plan.scenarios, plan.selectors, tuple(range(args.seeds)), plan.target,
-                    plan.overrides)  # fmt: skip
+        plan = dataclasses.replace(plan, seeds=tuple(range(args.seeds)))
     if args.selectors:
-        plan = Plan(plan.scenarios, tuple(args.selectors.split(",")), plan.seeds, plan.target,
-                    plan.overrides)  # fmt: skip
+        plan = dataclasses.replace(plan, selectors=tuple(args.selectors.split(",")))
     if args.scenarios:
-        plan = Plan(tuple(args.scenarios.split(",")), plan.selectors, plan.seeds, plan.target,
-                    plan.overrides)  # fmt: skip
+        plan = dataclasses.replace(plan, scenarios=tuple(args.scenarios.split(",")))
     report = Report("quick" if args.quick else "full", plan)
     todo = [
         (sc, sel, seed) for sc in plan.scenarios for seed in plan.seeds for sel in plan.selectors

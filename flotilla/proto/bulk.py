@@ -89,6 +89,13 @@ def _fields(view: memoryview) -> list[_Span]:
     return spans
 
 
+def _bytes_value(raw: bytes, view: memoryview, span: _Span) -> memoryview:
+    """The value of a length-delimited field, as a view into ``raw``."""
+    if raw[span.start] & 7 != _LENGTH:
+        raise WireError(f"malformed protobuf message: field {span.field} is not bytes")
+    return view[span.value : span.end]
+
+
 def _split(raw: bytes, payload_field: int) -> tuple[memoryview | None, bytes]:
     """(view of the payload field's last occurrence, the message without it).
 
@@ -100,10 +107,8 @@ def _split(raw: bytes, payload_field: int) -> tuple[memoryview | None, bytes]:
     if not hits:
         return None, raw
     last = hits[-1]
-    if raw[last.start] & 7 != _LENGTH:
-        raise WireError(f"malformed protobuf message: field {payload_field} is not bytes")
     rest = bytes(view[: last.start]) + bytes(view[last.end :])
-    return view[last.value : last.end], rest
+    return _bytes_value(raw, view, last), rest
 
 
 # --- BlobChunk -----------------------------------------------------------------------------
@@ -162,10 +167,10 @@ class UpdatePart:
 
 def read_update_chunk(raw: bytes) -> UpdatePart:
     # ``part`` is a oneof: the member that comes last on the wire is the one set.
-    parts = [s for s in _fields(memoryview(raw)) if s.field in (_UPDATE_HEADER, _UPDATE_DATA)]
+    view = memoryview(raw)
+    parts = [s for s in _fields(view) if s.field in (_UPDATE_HEADER, _UPDATE_DATA)]
     if parts and parts[-1].field == _UPDATE_DATA:
-        data, _ = _split(raw, _UPDATE_DATA)
-        return UpdatePart(data=data)
+        return UpdatePart(data=_bytes_value(raw, view, parts[-1]))
     try:
         msg = pb.UpdateChunk.FromString(raw)
     except Exception as exc:  # protobuf's DecodeError

@@ -114,10 +114,6 @@ class FleetHistory:
         job = self.records.get(job_id, {})
         return np.array([job[d].selected if d in job else 0 for d in device_ids], dtype=np.float64)
 
-    def forget_job(self, job_id: str) -> None:
-        self.records.pop(job_id, None)
-        self.rounds.pop(job_id, None)
-
     def job_state(self, job_id: str) -> dict[str, Any]:
         """One job's records as plain data: committed with each of its rounds, so a
         restarted server picks up where the job's scheduling was."""
@@ -128,23 +124,3 @@ class FleetHistory:
         """Put back what :meth:`job_state` returned."""
         self.records[job_id] = {d: DeviceRecord(**r) for d, r in data["records"].items()}
         self.rounds[job_id] = int(data["round"])
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data, for the server's state (JSON)."""
-        return {
-            "rounds": dict(self.rounds),
-            "records": {
-                job: {device: asdict(rec) for device, rec in devices.items()}
-                for job, devices in self.records.items()
-            },
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> FleetHistory:
-        return cls(
-            records={
-                job: {device: DeviceRecord(**rec) for device, rec in devices.items()}
-                for job, devices in data.get("records", {}).items()
-            },
-            rounds={job: int(n) for job, n in data.get("rounds", {}).items()},
-        )
