@@ -370,6 +370,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=PRETRAIN_ROUNDS,
         help=f"rounds of the rl pre-training run per scenario (default {PRETRAIN_ROUNDS})",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a scenario field for every run, e.g. scheduling.beta=1000",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -380,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = dataclasses.replace(plan, selectors=tuple(args.selectors.split(",")))
     if args.scenarios:
         plan = dataclasses.replace(plan, scenarios=tuple(args.scenarios.split(",")))
+    if args.set:
+        plan = dataclasses.replace(plan, overrides=(*plan.overrides, *args.set))
     report = Report("quick" if args.quick else "full", plan)
     todo = [
         (sc, sel, seed) for sc in plan.scenarios for seed in plan.seeds for sel in plan.selectors

@@ -1,4 +1,7 @@
-"""``flotilla <command>``: server, client, job, demo. Errors map to exit codes, not tracebacks."""
+"""``flotilla <command>``: server, client, job, devices, demo, simulate, volunteer.
+
+Errors map to exit codes, not tracebacks.
+"""
 
 from __future__ import annotations
 
@@ -54,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the results as JSON")
     demo.set_defaults(handler=_demo)
     _simulate_parser(commands)
+    from flotilla.cli_volunteer import add_volunteer_parser
+
+    add_volunteer_parser(commands)
     return parser
 
 

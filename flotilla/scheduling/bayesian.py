@@ -165,8 +165,9 @@ class BayesianSelector:
 def candidate_sets(
     rows: np.ndarray, count: int, how_many: int, gen: np.random.Generator
 ) -> list[np.ndarray]:
-    """Index arrays of ``count`` devices: a uniform draw, the fastest, and rules weighing
-    speed, fairness, loss and reliability at random, with noise of random strength."""
+    """Index arrays of ``count`` devices: a uniform draw, the fastest, uniform draws among
+    the fastest 30-90 %, and rules weighing speed, fairness, loss and reliability at
+    random, with noise of random strength."""
     n = len(rows)
 
     def z(col: np.ndarray) -> np.ndarray:
@@ -181,7 +182,14 @@ def candidate_sets(
         ],
         axis=1,
     )
-    sets = [gen.choice(n, size=count, replace=False), np.argsort(-criteria[:, 0])[:count]]
+    by_speed = np.argsort(-criteria[:, 0])
+    sets = [gen.choice(n, size=count, replace=False), by_speed[:count]]
+    # Uniform among the fastest share q: fast rounds that still spread the work.
+    for q in np.linspace(0.3, 0.9, 4):
+        if len(sets) >= how_many // 2:
+            break
+        pool = by_speed[: max(count, math.ceil(q * n))]
+        sets.append(gen.choice(pool, size=count, replace=False))
     while len(sets) < how_many:
         weights = gen.dirichlet(np.ones(criteria.shape[1]))
         noise = gen.uniform(0.0, 2.0) * gen.gumbel(size=n)

@@ -1,0 +1,196 @@
+"""``flotilla volunteer``: join a run, ``coordinate`` one, or read its ``status``.
+
+Kept apart from :mod:`flotilla.cli` so that hivemind is imported only by these commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from flotilla.core.errors import NotFoundError
+
+
+def add_volunteer_parser(commands: Any) -> None:
+    vol = commands.add_parser(
+        "volunteer",
+        help="join a volunteer training run (or coordinate one, or read its status)",
+        description="Join a volunteer run and train until stopped. Subcommands: "
+        "'coordinate' starts a run, 'status' reads one.",
+    )
+    _run_options(vol, required=False)
+    vol.add_argument("--initial-peers", nargs="+", default=None, metavar="MADDR")
+    vol.add_argument("--batch-size", type=int, default=None, help="samples per local step")
+    vol.add_argument("--client-mode", action="store_true", help="no incoming connections")
+    vol.add_argument("--auxiliary", action="store_true", help="assist averaging without training")
+    vol.add_argument("--coordinator-key", default=None, help="trust only this coordinator")
+    vol.add_argument("--max-epochs", type=int, default=None, help="stop after N run epochs")
+    vol.set_defaults(handler=_join)
+    sub = vol.add_subparsers(title="volunteer commands", metavar="ACTION")
+
+    coord = sub.add_parser("coordinate", help="start a run: bootstrap peer, record, checkpoints")
+    _run_options(coord, required=True)
+    coord.add_argument("--initial-peers", nargs="+", default=(), metavar="MADDR")
+    coord.add_argument("--target-batch-size", type=int, default=1024)
+    coord.add_argument("--batch-size", type=int, default=16, help="suggested per local step")
+    coord.add_argument("--compression", choices=("none", "fp16", "int8"), default="none")
+    coord.add_argument("--averaging", choices=("gradients", "state"), default="gradients")
+    coord.add_argument("--learning-rate", type=float, default=3e-3)
+    coord.add_argument("--matchmaking-time", type=float, default=5.0)
+    coord.add_argument("--averaging-timeout", type=float, default=30.0)
+    coord.add_argument("--checkpoint-every", type=int, default=1, help="epochs")
+    coord.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
+    coord.set_defaults(handler=_coordinate)
+
+    status = sub.add_parser("status", help="a run's state, read from the DHT")
+    status.add_argument("--run", required=True)
+    status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(handler=_status)
+
+
+def _run_options(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("--run", required=required, help="the run's name")
+    parser.add_argument("--task", required=required, help="task entry point, package.module:Name")
+    parser.add_argument("--state-dir", type=Path, default=None)
+    parser.add_argument(
+        "--host-maddrs", nargs="+", default=None, metavar="MADDR",
+        help="where to listen (default: loopback only, /ip4/127.0.0.1/tcp/0)",
+    )  # fmt: skip
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _join(args: argparse.Namespace) -> int:
+    missing = [f"--{n}" for n in ("run", "task") if not getattr(args, n)]
+    if not args.initial_peers:
+        missing.append("--initial-peers")
+    if missing:
+        print(f"error: flotilla volunteer needs {', '.join(missing)}", file=sys.stderr)
+        return 2
+    from flotilla.p2p import VolunteerOptions, run_volunteer
+
+    options = VolunteerOptions(
+        run=args.run,
+        initial_peers=args.initial_peers,
+        task=args.task,
+        batch_size=args.batch_size,
+        client_mode=args.client_mode,
+        auxiliary=args.auxiliary,
+        host_maddrs=args.host_maddrs,
+        coordinator_key=args.coordinator_key,
+        state_dir=args.state_dir,
+        max_epochs=args.max_epochs,
+    )
+
+    def ready(peer: str, record: Any) -> None:
+        print(f"joined run {record.run} as {peer}", file=sys.stderr, flush=True)
+
+    report = run_volunteer(options, _stop_on_signals(), ready)
+    print(
+        json.dumps(
+            {
+                "peer": report.peer,
+                "first_epoch": report.first_epoch,
+                "last_epoch": report.last_epoch,
+                "steps": report.steps,
+                "samples": report.samples,
+                "epoch_losses": {str(e): v for e, v in sorted(report.epoch_losses.items())},
+            }
+        ),
+        flush=True,
+    )
+    return 0
+
+
+def _coordinate(args: argparse.Namespace) -> int:
+    from flotilla.p2p import Coordinator, CoordinatorOptions
+
+    state_dir = args.state_dir or Path.cwd() / f"flotilla-run-{args.run}"
+    record = {
+        "target_batch_size": args.target_batch_size,
+        "batch_size": args.batch_size,
+        "compression": args.compression,
+        "averaging": args.averaging,
+        "learning_rate": args.learning_rate,
+        "matchmaking_time": args.matchmaking_time,
+        "averaging_timeout": args.averaging_timeout,
+    }
+    coordinator = Coordinator(
+        CoordinatorOptions(
+            run=args.run,
+            task=args.task,
+            state_dir=state_dir,
+            host_maddrs=args.host_maddrs,
+            initial_peers=args.initial_peers,
+            checkpoint_every=args.checkpoint_every,
+            record=record,
+        )
+    )
+    stop = _stop_on_signals()
+    try:
+        for maddr in coordinator.start():
+            print(maddr, flush=True)
+        print(f"coordinator key: {coordinator.public_key}", file=sys.stderr, flush=True)
+        if args.max_seconds is not None:
+            threading.Timer(args.max_seconds, stop.set).start()
+        last = [0.0]
+
+        def show(status: Any) -> None:
+            if time.monotonic() - last[0] >= 5.0:
+                last[0] = time.monotonic()
+                loss = "-" if status.loss is None else f"{status.loss:.3f}"
+                print(
+                    f"epoch {status.epoch} | peers {status.peers_online} | "
+                    f"{status.samples_per_second:.1f} samples/s | loss {loss} | "
+                    f"checkpoint {status.checkpoint_epoch}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+        coordinator.serve(stop, show)
+    finally:
+        coordinator.shutdown()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from flotilla.p2p import read_status, start_dht
+    from flotilla.p2p.dht import progress_key
+
+    dht = start_dht(args.initial_peers, client_mode=True)
+    try:
+        status = read_status(dht, args.run)
+        progress = dht.get(progress_key(args.run), latest=True)
+    finally:
+        dht.shutdown()
+    if status is None:
+        raise NotFoundError(
+            f"no status for run {args.run!r} in the DHT (no coordinator, or a wrong name)"
+        )
+    data = dataclasses.asdict(status)
+    data["hivemind_peers"] = len(progress.value) if progress is not None else 0
+    if args.json:
+        print(json.dumps(data))
+    else:
+        loss = "-" if status.loss is None else f"{status.loss:.4f}"
+        print(
+            f"run {status.run}: epoch {status.epoch}, {status.peers_online} peers online, "
+            f"{status.samples_per_second:.1f} samples/s, loss {loss}, "
+            f"checkpoint {status.checkpoint_epoch}"
+        )
+        for epoch, value in status.loss_history:
+            print(f"  epoch {int(epoch)}: loss {value:.4f}")
+    return 0

@@ -1,0 +1,52 @@
+"""Peer-to-peer training on hivemind: volunteer runs (and, later, server-less rounds).
+
+- :mod:`flotilla.p2p.record` -- :class:`RunRecord`, signed by the coordinator (Ed25519).
+- :mod:`flotilla.p2p.dht` -- the run's DHT keys; records, peer metrics, run status.
+- :mod:`flotilla.p2p.codecs` -- flotilla's int8 as a hivemind ``CompressionBase``.
+- :mod:`flotilla.p2p.swarm` -- the ``hivemind.Optimizer`` a record describes; checkpoints.
+- :mod:`flotilla.p2p.volunteer` -- join a run and train.
+- :mod:`flotilla.p2p.coordinator` -- bootstrap, publish, checkpoint and monitor a run.
+
+Needs the ``p2p`` extra (hivemind). See docs/p2p.md.
+"""
+
+from flotilla.p2p.codecs import (
+    COMPRESSION_NAMES,
+    FlotillaInt8,
+    hivemind_compression,
+    install_codecs,
+)
+from flotilla.p2p.coordinator import Coordinator, CoordinatorOptions
+from flotilla.p2p.dht import (
+    PeerMetrics,
+    RunStatus,
+    fetch_record,
+    read_metrics,
+    read_status,
+    start_dht,
+)
+from flotilla.p2p.record import RunRecord, RunRecordError, SignedRecord, sign_record, verify_record
+from flotilla.p2p.volunteer import VolunteerOptions, VolunteerReport, run_volunteer
+
+__all__ = [
+    "COMPRESSION_NAMES",
+    "Coordinator",
+    "CoordinatorOptions",
+    "FlotillaInt8",
+    "PeerMetrics",
+    "RunRecord",
+    "RunRecordError",
+    "RunStatus",
+    "SignedRecord",
+    "VolunteerOptions",
+    "VolunteerReport",
+    "fetch_record",
+    "hivemind_compression",
+    "install_codecs",
+    "read_metrics",
+    "read_status",
+    "run_volunteer",
+    "sign_record",
+    "start_dht",
+    "verify_record",
+]

@@ -1,0 +1,223 @@
+"""A volunteer run's coordinator: bootstrap peer, record publisher, checkpointer, monitor.
+
+It signs and publishes the run record (re-published before it expires), merges the peers'
+signed metrics into a global loss per epoch, publishes the run's status for
+``flotilla volunteer status``, and keeps the shared model on disk: every
+``checkpoint_every`` epochs it downloads the newest state from a volunteer and writes it
+to ``STATE_DIR/checkpoint.safetensors``. It also shares that state, so when every
+volunteer has left, the next ones resume from the last checkpoint rather than from scratch;
+a restarted coordinator loads it back (and its record, so the run keeps its identity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flotilla.p2p.codecs import install_codecs
+from flotilla.p2p.dht import (
+    PeerMetrics,
+    RunStatus,
+    publish_record,
+    publish_status,
+    read_metrics,
+    start_dht,
+    visible_maddrs,
+)
+from flotilla.p2p.record import (
+    RunRecord,
+    SignedRecord,
+    load_or_create_key,
+    public_key_text,
+    sign_record,
+)
+from flotilla.p2p.swarm import load_checkpoint, make_optimizer, model_sha256, save_checkpoint
+from flotilla.tasks.base import load_task
+
+log = logging.getLogger(__name__)
+#: Seconds between republishing the record (its DHT entry lives RECORD_TTL_S).
+REPUBLISH_S = 30.0
+#: A peer whose last metrics are older than this is no longer counted online.
+ONLINE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorOptions:
+    run: str
+    task: str
+    state_dir: Path
+    host_maddrs: Sequence[str] | None = None
+    initial_peers: Sequence[str] = ()
+    #: Save the shared model every this many epochs.
+    checkpoint_every: int = 1
+    #: RunRecord fields for a new run (a restarted coordinator keeps its saved record).
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(self, options: CoordinatorOptions) -> None:
+        self.options = options
+        self._dir = options.state_dir
+        self._history: dict[int, dict[str, float]] = {}
+        self.checkpoint_epoch: int | None = None
+        self._last_publish = 0.0
+        self._dht: Any = None
+        self._opt: Any = None
+        self._model: Any = None
+        self._signed: SignedRecord | None = None
+        self.record: RunRecord | None = None
+        self.public_key = ""
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self._dir / "checkpoint.safetensors"
+
+    def start(self) -> list[str]:
+        """Start the DHT and the run; the multiaddrs peers can join on."""
+        install_codecs()
+        self._dir.mkdir(parents=True, exist_ok=True)
+        key = load_or_create_key(self._dir / "coordinator.key")
+        self.public_key = public_key_text(key.public_key())
+        task = load_task(self.options.task)
+        record = self._load_or_make_record(task)
+        model = task.build_model(record.seed)
+        self.checkpoint_epoch = load_checkpoint(self.checkpoint_path, model, record)
+        self._load_history()
+        self._dht = start_dht(self.options.initial_peers, self.options.host_maddrs)
+        self._model = model  # the optimizer's main parameters: what peers share
+        self._opt = make_optimizer(self._dht, record, model, batch_size=1)
+        if self.checkpoint_epoch is not None:
+            self._share_epoch(self.checkpoint_epoch)
+        self.record, self._signed = record, sign_record(record, key)
+        publish_record(self._dht, record.run, self._signed)
+        self._last_publish = time.monotonic()
+        return visible_maddrs(self._dht)
+
+    def _load_or_make_record(self, task: Any) -> RunRecord:
+        path = self._dir / "record.json"
+        if path.exists():
+            saved = RunRecord.from_dict(json.loads(path.read_text()))
+            if saved.run != self.options.run or saved.task != self.options.task:
+                raise ValueError(
+                    f"{self._dir} holds run {saved.run!r} of {saved.task!r}, not "
+                    f"{self.options.run!r} of {self.options.task!r}"
+                )
+            return saved
+        seed = int(self.options.record.get("seed", 0))
+        record = RunRecord(
+            run=self.options.run,
+            task=self.options.task,
+            model_sha256=model_sha256(task.build_model(seed)),
+            **self.options.record,
+        )
+        path.write_text(json.dumps(dataclasses.asdict(record), indent=2))
+        return record
+
+    def _load_history(self) -> None:
+        path = self._dir / "history.json"
+        if path.exists():
+            raw = json.loads(path.read_text())
+            self._history = {int(e): dict(peers) for e, peers in raw.items()}
+
+    def _save_history(self) -> None:
+        path = self._dir / "history.json"
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({str(e): p for e, p in sorted(self._history.items())}))
+        tmp.replace(path)
+
+    def _share_epoch(self, epoch: int) -> None:
+        """Offer our state at ``epoch`` to peers that load state (late or resuming ones)."""
+        averager = self._opt.state_averager
+        averager.local_epoch = max(averager.local_epoch, epoch)
+        averager.state_sharing_priority = averager.local_epoch
+        self._opt.tracker.report_local_progress(averager.local_epoch, 0)
+
+    def tick(self) -> RunStatus:
+        """One round of duties; call it every second or so."""
+        assert self.record is not None and self._signed is not None
+        now = time.monotonic()
+        if now - self._last_publish >= REPUBLISH_S:
+            publish_record(self._dht, self.record.run, self._signed)
+            self._last_publish = now
+        metrics = read_metrics(self._dht, self.record.run)
+        self._merge(metrics)
+        progress = self._opt.tracker.global_progress
+        epoch = max([progress.epoch, *(m.epoch for m in metrics)], default=0)
+        if self._due_for_checkpoint(epoch):
+            self._checkpoint()
+        status = self._status(metrics, epoch, progress)
+        publish_status(self._dht, status)
+        return status
+
+    def _merge(self, metrics: list[PeerMetrics]) -> None:
+        changed = False
+        for m in metrics:
+            for e, loss in m.epoch_losses.items():
+                epoch = int(e)
+                if self._history.setdefault(epoch, {}).get(m.peer) != loss:
+                    self._history[epoch][m.peer] = loss
+                    changed = True
+        if changed:
+            self._save_history()
+
+    def _due_for_checkpoint(self, epoch: int) -> bool:
+        every = max(1, self.options.checkpoint_every)
+        last = self.checkpoint_epoch if self.checkpoint_epoch is not None else 0
+        return epoch >= last + every
+
+    def _checkpoint(self) -> None:
+        assert self.record is not None
+        averager = self._opt.state_averager
+        before = averager.local_epoch
+        try:
+            averager.load_state_from_peers(timeout=self.record.load_state_timeout)
+        except Exception as exc:  # no peer answered in time: try again next tick
+            log.warning("could not download the run's state: %s", exc)
+            return
+        if averager.local_epoch <= before and self.checkpoint_epoch is not None:
+            return
+        save_checkpoint(self.checkpoint_path, self._model, averager.local_epoch, self.record)
+        self.checkpoint_epoch = averager.local_epoch
+        self._share_epoch(averager.local_epoch)
+        log.info("checkpoint of epoch %d saved", averager.local_epoch)
+
+    def _status(self, metrics: list[PeerMetrics], epoch: int, progress: Any) -> RunStatus:
+        assert self.record is not None
+        fresh = [m for m in metrics if time.time() - m.time <= ONLINE_S and not m.auxiliary]
+        means = {e: sum(peers.values()) / len(peers) for e, peers in self._history.items() if peers}
+        current = means.get(epoch)
+        if current is None and means:
+            current = means[max(means)]
+        return RunStatus(
+            run=self.record.run,
+            epoch=epoch,
+            peers_online=max(len(fresh), int(progress.num_peers)),
+            samples_per_second=float(sum(m.samples_per_second for m in fresh)),
+            loss=current,
+            loss_history=[[e, means[e]] for e in sorted(means) if e < epoch],
+            checkpoint_epoch=self.checkpoint_epoch,
+            time=time.time(),
+        )
+
+    def serve(
+        self, stop: threading.Event, on_status: Callable[[RunStatus], None] | None = None
+    ) -> None:
+        while not stop.is_set():
+            status = self.tick()
+            if on_status is not None:
+                on_status(status)
+            stop.wait(1.0)
+
+    def shutdown(self) -> None:
+        if self._opt is not None:
+            self._opt.shutdown()
+        if self._dht is not None:
+            self._dht.shutdown()

@@ -1,0 +1,93 @@
+"""One hivemind.Optimizer per peer, configured from the run record; and model checkpoints.
+
+Every averaging phase gets the record's explicit timeouts (hivemind's raw averager waits
+without bound by default), and the record's compression for gradients and state; states
+downloaded by late joiners travel uncompressed, so they start exactly where the swarm is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import hivemind
+import torch
+
+from flotilla.core.blobs import sha256_hex
+from flotilla.core.tensors import decode_state, encode_state, read_metadata
+from flotilla.p2p.codecs import hivemind_compression
+from flotilla.p2p.record import RunRecord
+from flotilla.tasks.base import load_model_state, model_state
+
+#: hivemind's default is a 10 s wait before the first progress fetch; volunteer runs on
+#: slow links still want epochs noticed within a second or two.
+TRACKER_OPTS = {"min_refresh_period": 0.5, "max_refresh_period": 3.0, "default_refresh_period": 1.0}
+
+
+def model_sha256(model: torch.nn.Module) -> str:
+    """Hash of a model's weights in the wire format, equal wherever the weights are."""
+    return sha256_hex(encode_state(model_state(model)))
+
+
+def make_optimizer(
+    dht: hivemind.DHT,
+    record: RunRecord,
+    model: torch.nn.Module,
+    *,
+    batch_size: int | None,
+    auxiliary: bool = False,
+) -> hivemind.Optimizer:
+    compression = hivemind_compression(record.compression)
+    factory: Any
+    if record.optimizer == "adam":
+        factory = partial(torch.optim.Adam, lr=record.learning_rate)
+    else:
+        factory = partial(torch.optim.SGD, lr=record.learning_rate, momentum=0.9)
+    return hivemind.Optimizer(
+        dht=dht,
+        run_id=record.run,
+        target_batch_size=record.target_batch_size,
+        batch_size_per_step=None if auxiliary else batch_size,
+        optimizer=factory,
+        params=model.parameters(),
+        matchmaking_time=record.matchmaking_time,
+        averaging_timeout=record.averaging_timeout,
+        allreduce_timeout=record.allreduce_timeout,
+        next_chunk_timeout=record.next_chunk_timeout,
+        load_state_timeout=record.load_state_timeout,
+        use_local_updates=record.averaging == "state",
+        client_mode=dht.client_mode,
+        auxiliary=auxiliary,
+        grad_compression=compression,
+        state_averaging_compression=compression,
+        tracker_opts=dict(TRACKER_OPTS),
+        # hivemind warns (and may deadlock) when a request may outlive matchmaking.
+        averager_opts={"request_timeout": min(3.0, record.matchmaking_time / 2)},
+        verbose=False,
+        shutdown_timeout=5,
+    )
+
+
+def save_checkpoint(path: Path, model: torch.nn.Module, epoch: int, record: RunRecord) -> None:
+    """Weights and epoch as safetensors, written atomically (never pickle)."""
+    meta = {"epoch": str(epoch), "run": record.run, "task": record.task}
+    blob = encode_state(model_state(model), meta)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(blob)
+    tmp.replace(path)
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, record: RunRecord) -> int | None:
+    """Load ``path`` into ``model``; its epoch, or None when there is no checkpoint."""
+    if not path.exists():
+        return None
+    data = path.read_bytes()
+    meta = read_metadata(data, len(data))
+    state = decode_state(data)
+    if meta.get("run") != record.run or meta.get("task") != record.task:
+        raise ValueError(f"{path} is a checkpoint of another run or task: {json.dumps(meta)}")
+    load_model_state(model, state)
+    return int(meta["epoch"])

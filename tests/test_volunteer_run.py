@@ -1,0 +1,219 @@
+"""A volunteer run as users start it: ``flotilla volunteer coordinate`` and ``flotilla volunteer``
+as separate processes, real hivemind peers on 127.0.0.1, the char LM on stdlib docstrings."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flotilla.tasks.charlm import CharLMTask
+
+TASK = "flotilla.tasks.charlm:CharLMTask"
+AVERAGING_TIMEOUT_S = 15.0
+RUN_OPTS = [
+    "--target-batch-size", "96",
+    "--batch-size", "16",
+    "--matchmaking-time", "2",
+    "--averaging-timeout", str(AVERAGING_TIMEOUT_S),
+    "--learning-rate", "0.005",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Build the corpus once; every peer process reads it from this cache."""
+    cache = tmp_path_factory.mktemp("cache")
+    CharLMTask(cache).tokens()
+    return {**os.environ, "FLOTILLA_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
+
+
+class Peers:
+    """Processes started for one test; every one is killed at the end, whatever happens."""
+
+    def __init__(self, env: dict[str, str], workdir: Path) -> None:
+        self.env, self.workdir = env, workdir
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[str]:
+        err = open(self.workdir / f"{name}.err", "w")  # noqa: SIM115 (closed with the process)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flotilla", *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=self.env,
+            cwd=self.workdir,
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.err").read_text()
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.fixture
+def peers(corpus_env: dict[str, str], tmp_path: Path) -> Iterator[Peers]:
+    group = Peers(corpus_env, tmp_path)
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+def _coordinate(peers: Peers, run: str, state_dir: Path) -> str:
+    coord = peers.start(
+        "coordinator",
+        "volunteer", "coordinate", "--run", run, "--task", TASK, "--state-dir", str(state_dir),
+        *RUN_OPTS,
+    )  # fmt: skip
+    assert coord.stdout is not None
+    line = coord.stdout.readline().strip()  # the contract: multiaddrs first, one per line
+    assert line.startswith("/ip4/127.0.0.1/tcp/"), (line, peers.log("coordinator"))
+    return line
+
+
+def _volunteer(peers: Peers, name: str, run: str, maddr: str, *extra: str) -> Any:
+    return peers.start(
+        name, "volunteer", "--run", run, "--task", TASK, "--initial-peers", maddr, *extra
+    )
+
+
+def _status(peers: Peers, run: str, maddr: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "flotilla", "volunteer", "status", "--run", run,
+         "--initial-peers", maddr, "--json"],
+        capture_output=True, text=True, env=peers.env, timeout=60, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def _wait(what: str, check: Callable[[], Any], timeout: float, every: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _peer_epochs(run: str, maddr: str) -> dict[str, int]:
+    """Each live volunteer's epoch, from its own signed metrics in the DHT."""
+    from flotilla.p2p import read_metrics, start_dht
+
+    dht = start_dht([maddr], client_mode=True)
+    try:
+        return {m.peer: m.epoch for m in read_metrics(dht, run) if time.time() - m.time < 6.0}
+    finally:
+        dht.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_four_volunteers_train_survive_a_kill_and_a_late_joiner_catches_up(
+    peers: Peers, tmp_path: Path
+) -> None:
+    run = "charlm"
+    maddr = _coordinate(peers, run, tmp_path / "coord")
+    volunteers = [_volunteer(peers, f"v{i}", run, maddr) for i in range(4)]
+    _wait("epoch 3", lambda: _status(peers, run, maddr)["epoch"] >= 3, 240, every=2.0)
+
+    # kill -9 one volunteer mid-run: the others finish their next epoch within 2x the
+    # averaging timeout.
+    os.killpg(volunteers[0].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    before = _peer_epochs(run, maddr)
+    survivors = _wait(
+        "every survivor to finish an epoch",
+        lambda: (
+            lambda now: len([p for p, e in now.items() if e > before.get(p, 10**9)]) >= 3 and now
+        )(_peer_epochs(run, maddr)),
+        timeout=2 * AVERAGING_TIMEOUT_S + 10,
+        every=0.5,
+    )
+    assert time.monotonic() - killed_at <= 2 * AVERAGING_TIMEOUT_S + 10, survivors
+
+    # A late joiner downloads the current state and trains on the current epoch.
+    epoch_now = _status(peers, run, maddr)["epoch"]
+    late = _volunteer(peers, "late", run, maddr, "--max-epochs", "2")
+    out, _ = late.communicate(timeout=240)
+    joined = json.loads(out.strip().splitlines()[-1])
+    assert joined["first_epoch"] >= epoch_now - 1 >= 2, (joined, peers.log("late"))
+    assert joined["last_epoch"] >= joined["first_epoch"] + 2
+    assert min(joined["epoch_losses"].values()) < 4.0  # not the ~4.6 of a fresh model
+
+    status = _wait(
+        "five epochs of loss history",
+        lambda: (lambda s: len(s["loss_history"]) >= 5 and s)(_status(peers, run, maddr)),
+        240,
+        every=2.0,
+    )
+    history = [loss for _, loss in status["loss_history"]]
+    assert history[-1] < history[0] - 0.3, history  # the swarm is learning
+    assert status["peers_online"] >= 3
+    assert status["samples_per_second"] > 0
+    assert status["checkpoint_epoch"] is not None and status["checkpoint_epoch"] >= 3
+    assert {"run", "epoch", "peers_online", "samples_per_second", "loss", "loss_history"} <= set(
+        status
+    )
+    for proc in volunteers[1:]:
+        assert proc.poll() is None, "a survivor stopped"
+
+
+@pytest.mark.timeout(600)
+def test_a_run_resumes_from_the_coordinators_checkpoint_after_every_volunteer_left(
+    peers: Peers, tmp_path: Path
+) -> None:
+    run = "resume"
+    maddr = _coordinate(peers, run, tmp_path / "coord")
+    first = [_volunteer(peers, f"a{i}", run, maddr) for i in range(2)]
+    status = _wait(
+        "a checkpoint at epoch 3",
+        lambda: (lambda s: (s["checkpoint_epoch"] or 0) >= 3 and s)(_status(peers, run, maddr)),
+        240,
+        every=2.0,
+    )
+    for proc in first:
+        os.killpg(proc.pid, signal.SIGKILL)
+    checkpoint = status["checkpoint_epoch"]
+    assert (tmp_path / "coord" / "checkpoint.safetensors").exists()
+
+    second = [_volunteer(peers, f"b{i}", run, maddr, "--max-epochs", "1") for i in range(2)]
+    for proc in second:
+        out, _ = proc.communicate(timeout=240)
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["first_epoch"] >= checkpoint, report  # resumed, not from scratch
+        assert min(report["epoch_losses"].values()) < 4.2, report
+
+
+@pytest.mark.timeout(300)
+def test_a_volunteer_refuses_a_run_of_another_task_or_coordinator(
+    peers: Peers, tmp_path: Path
+) -> None:
+    run = "guarded"
+    maddr = _coordinate(peers, run, tmp_path / "coord")
+    wrong_task = peers.start(
+        "wrong-task", "volunteer", "--run", run, "--task", "flotilla.tasks.digits:DigitsTask",
+        "--initial-peers", maddr,
+    )  # fmt: skip
+    assert wrong_task.wait(timeout=120) == 1
+    assert "trains task 'flotilla.tasks.charlm:CharLMTask'" in peers.log("wrong-task")
+
+    impostor = _volunteer(peers, "pinned", run, maddr, "--coordinator-key", "A" * 43 + "=")
+    assert impostor.wait(timeout=120) == 1
+    assert "not the coordinator key" in peers.log("pinned")
