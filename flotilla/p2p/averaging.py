@@ -1,0 +1,213 @@
+"""All-reduce that never leaves a partial average behind.
+
+When a peer dies mid all-reduce, hivemind 1.1.12 lets the survivors finish anyway: a part
+whose reducer died keeps the local values (``Averaging: received 70% results``, a warning),
+and a reducer that bans a dead sender averages the rest of its span without it, so one
+tensor can mix several contributor sets. :class:`SafeAverager` runs each round as:
+
+1. snapshot the local tensors, then hivemind's butterfly all-reduce;
+2. a local verdict: clean when no part came back missing and this peer's reducer banned
+   no sender;
+3. a second, tiny all-reduce in the same group of one slot per sender, each writing 1 in
+   its own slot when its verdict is clean; a dead peer leaves its slot 0, a dead verdict
+   reducer fails the round for everyone;
+4. commit only when every slot is non-zero; otherwise restore the snapshot and raise, so
+   hivemind retries with whoever is left until the step's deadline.
+
+Cancellation (a timeout) also restores the snapshot, and a caller of :meth:`SafeAverager.step`
+never waits past its timeout. A committed step returns a :class:`RoundResult`: who
+contributed, and the attempts reverted before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.compression import NoCompression
+
+VERDICT_SUFFIX = b".flotilla-verdict"
+
+
+class IncompleteAllReduce(AllreduceException):  # type: ignore[misc]
+    """A round could not be completed by every member; local tensors were restored."""
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a committed step did: who contributed, and the rounds reverted before it."""
+
+    #: Peer id (base58) -> what that peer passed as ``gather``; every one contributed.
+    gathered: dict[str, Any]
+    contributors: tuple[str, ...]
+    group_id: str
+    #: ``(group id, reason)`` of each earlier attempt of this step that was reverted.
+    reverted: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+
+class SafeAverager(DecentralizedAverager):  # type: ignore[misc]
+    """A ``DecentralizedAverager`` whose rounds commit whole or not at all (see module doc)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Set before the parent starts (forks) the averaging process, which uses it.
+        self._reverted: list[tuple[str, str]] = []
+        super().__init__(*args, **kwargs)
+
+    def step(
+        self, *args: Any, timeout: float | None = None, wait: bool = True, **kwargs: Any
+    ) -> Any:
+        """hivemind's step, but a waiting caller never waits past ``timeout``: hivemind
+        checks its deadline only between attempts, so one late attempt can overrun it.
+        On expiry the step is cancelled (the tensors are restored) and TimeoutError raised."""
+        control = super().step(*args, timeout=timeout, wait=False, **kwargs)
+        if not wait:
+            return control
+        try:
+            return control.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            control.cancel()
+            raise TimeoutError(f"all-reduce did not complete within {timeout} s") from None
+
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
+        verdict = group_info.group_id + VERDICT_SUFFIX
+        self._running_groups[verdict] = asyncio.Future()
+        try:
+            with super()._register_allreduce_group(group_info):
+                yield
+        finally:
+            self._running_groups.pop(verdict, None)
+
+    async def _aggregate_with_group(
+        self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any
+    ) -> RoundResult:
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        reverted, self._reverted = tuple(self._reverted), []
+        modes = _modes(group_info)
+        senders = [
+            str(p)
+            for p, m in zip(group_info.peer_ids, modes, strict=True)
+            if m != AveragingMode.AUX
+        ]
+        return RoundResult(
+            gathered={str(peer): data for peer, data in gathered.items()},
+            contributors=tuple(senders),
+            group_id=group_info.group_id.hex(),
+            reverted=reverted,
+        )
+
+    async def _run_allreduce_inplace_(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_info: GroupInfo,
+        group_id: bytes | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if group_id is not None:  # a verdict round or a subclass's extra phase
+            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+            return
+        snapshot = [t.detach().clone() for t in tensors]
+        try:
+            clean = await self._main_round(tensors, group_info, **kwargs)
+            slots = await self._verdict_round(group_info, clean, **kwargs)
+        except BaseException as exc:
+            self._restore(tensors, snapshot)
+            self._reverted.append((group_info.group_id.hex(), f"{type(exc).__name__}: {exc}"))
+            if isinstance(exc, Exception) and not isinstance(exc, AllreduceException):
+                raise IncompleteAllReduce(f"all-reduce failed and was reverted: {exc}") from exc
+            raise
+        if not bool((slots > 0).all()):
+            self._restore(tensors, snapshot)
+            missing = [
+                str(p)
+                for p, v in zip(_sender_ids(group_info), slots.tolist(), strict=True)
+                if v <= 0
+            ]
+            reason = f"incomplete: peers {missing} did not finish cleanly"
+            self._reverted.append((group_info.group_id.hex(), reason))
+            raise IncompleteAllReduce(f"all-reduce {reason}; local tensors restored")
+
+    async def _main_round(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, **kwargs: Any
+    ) -> bool:
+        runner = AllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_info.group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_info.group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("auxiliary peers receive no averaged tensors")
+            return not runner.banned_senders
+        async for tensor, delta in _zip_async(tensors, runner):
+            tensor.add_(delta, alpha=self._averaging_alpha)
+        self.last_updated = time.time()
+        self._state_updated.set()
+        missing = runner.tensor_part_container.failed_size
+        return missing == 0 and not runner.banned_senders
+
+    async def _verdict_round(
+        self, group_info: GroupInfo, clean: bool, **kwargs: Any
+    ) -> torch.Tensor:
+        senders = _sender_ids(group_info)
+        slots = torch.zeros(len(senders))
+        if self.peer_id in senders and clean:
+            slots[senders.index(self.peer_id)] = 1.0
+        verdict_kwargs = dict(kwargs)
+        verdict_kwargs.update(weight=1.0, compression=NoCompression(), tensor_infos=None)
+        runner = AllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=[slots],
+            group_id=group_info.group_id + VERDICT_SUFFIX,
+            ordered_peer_ids=group_info.peer_ids,
+            **verdict_kwargs,
+        )
+        self._running_groups[group_info.group_id + VERDICT_SUFFIX].set_result(runner)
+        async for delta in runner:
+            slots.add_(delta)
+        if runner.tensor_part_container.failed_size or runner.banned_senders:
+            slots.zero_()  # the verdict itself is incomplete: nobody may commit on it
+        return slots
+
+    @staticmethod
+    def _restore(tensors: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for tensor, saved in zip(tensors, snapshot, strict=True):
+                tensor.copy_(saved)
+
+
+def _modes(group_info: GroupInfo) -> list[AveragingMode]:
+    from hivemind.utils import MSGPackSerializer
+
+    return [AveragingMode(MSGPackSerializer.loads(g)[1]) for g in group_info.gathered]
+
+
+def _sender_ids(group_info: GroupInfo) -> list[Any]:
+    return [
+        p
+        for p, m in zip(group_info.peer_ids, _modes(group_info), strict=True)
+        if m != AveragingMode.AUX
+    ]
+
+
+async def _zip_async(tensors: Sequence[torch.Tensor], runner: AllReduceRunner) -> Any:
+    index = 0
+    async for delta in runner:
+        yield tensors[index], delta
+        index += 1
