@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,8 +35,11 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import NoCompression
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
 
 VERDICT_SUFFIX = b".flotilla-verdict"
+log = logging.getLogger(__name__)
 
 
 class IncompleteAllReduce(AllreduceException):  # type: ignore[misc]
@@ -54,56 +58,36 @@ class RoundResult:
     reverted: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
 
-class SafeAverager(DecentralizedAverager):  # type: ignore[misc]
-    """A ``DecentralizedAverager`` whose rounds commit whole or not at all (see module doc)."""
+class CompleteRounds:
+    """Mixin for a hivemind averager: each all-reduce round commits whole or is reverted
+    (see the module doc). List it before the averager class in the bases."""
+
+    _running_groups: dict[bytes, Any]
+    _p2p: Any
+    prefix: str
+    peer_id: Any
+    _averaging_alpha: float
+    _state_updated: Any
+    last_updated: float
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Set before the parent starts (forks) the averaging process, which uses it.
         self._reverted: list[tuple[str, str]] = []
         super().__init__(*args, **kwargs)
 
-    def step(
-        self, *args: Any, timeout: float | None = None, wait: bool = True, **kwargs: Any
-    ) -> Any:
-        """hivemind's step, but a waiting caller never waits past ``timeout``: hivemind
-        checks its deadline only between attempts, so one late attempt can overrun it.
-        On expiry the step is cancelled (the tensors are restored) and TimeoutError raised."""
-        control = super().step(*args, timeout=timeout, wait=False, **kwargs)
-        if not wait:
-            return control
-        try:
-            return control.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            control.cancel()
-            raise TimeoutError(f"all-reduce did not complete within {timeout} s") from None
+    def _pop_reverted(self) -> tuple[tuple[str, str], ...]:
+        reverted, self._reverted = tuple(self._reverted), []
+        return reverted
 
     @contextlib.contextmanager
     def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
         verdict = group_info.group_id + VERDICT_SUFFIX
         self._running_groups[verdict] = asyncio.Future()
         try:
-            with super()._register_allreduce_group(group_info):
+            with super()._register_allreduce_group(group_info):  # type: ignore[misc]
                 yield
         finally:
             self._running_groups.pop(verdict, None)
-
-    async def _aggregate_with_group(
-        self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any
-    ) -> RoundResult:
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        reverted, self._reverted = tuple(self._reverted), []
-        modes = _modes(group_info)
-        senders = [
-            str(p)
-            for p, m in zip(group_info.peer_ids, modes, strict=True)
-            if m != AveragingMode.AUX
-        ]
-        return RoundResult(
-            gathered={str(peer): data for peer, data in gathered.items()},
-            contributors=tuple(senders),
-            group_id=group_info.group_id.hex(),
-            reverted=reverted,
-        )
 
     async def _run_allreduce_inplace_(
         self,
@@ -113,7 +97,7 @@ class SafeAverager(DecentralizedAverager):  # type: ignore[misc]
         **kwargs: Any,
     ) -> None:
         if group_id is not None:  # a verdict round or a subclass's extra phase
-            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)  # type: ignore[misc]
             return
         snapshot = [t.detach().clone() for t in tensors]
         try:
@@ -134,6 +118,7 @@ class SafeAverager(DecentralizedAverager):  # type: ignore[misc]
             ]
             reason = f"incomplete: peers {missing} did not finish cleanly"
             self._reverted.append((group_info.group_id.hex(), reason))
+            log.warning("all-reduce %s reverted: %s", group_info.group_id.hex(), reason)
             raise IncompleteAllReduce(f"all-reduce {reason}; local tensors restored")
 
     async def _main_round(
@@ -190,6 +175,54 @@ class SafeAverager(DecentralizedAverager):  # type: ignore[misc]
         with torch.no_grad():
             for tensor, saved in zip(tensors, snapshot, strict=True):
                 tensor.copy_(saved)
+
+
+class SafeAverager(CompleteRounds, DecentralizedAverager):  # type: ignore[misc]
+    """A ``DecentralizedAverager`` with whole-or-nothing rounds; ``step`` returns a
+    :class:`RoundResult` and never keeps a waiting caller past its timeout."""
+
+    def step(
+        self, *args: Any, timeout: float | None = None, wait: bool = True, **kwargs: Any
+    ) -> Any:
+        """hivemind's step, but a waiting caller never waits past ``timeout``: hivemind
+        checks its deadline only between attempts, so one late attempt can overrun it.
+        On expiry the step is cancelled (the tensors are restored) and TimeoutError raised."""
+        control = super().step(*args, timeout=timeout, wait=False, **kwargs)
+        if not wait:
+            return control
+        try:
+            return control.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            control.cancel()
+            raise TimeoutError(f"all-reduce did not complete within {timeout} s") from None
+
+    async def _aggregate_with_group(
+        self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any
+    ) -> RoundResult:
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        reverted = self._pop_reverted()
+        modes = _modes(group_info)
+        senders = [
+            str(p)
+            for p, m in zip(group_info.peer_ids, modes, strict=True)
+            if m != AveragingMode.AUX
+        ]
+        return RoundResult(
+            gathered={str(peer): data for peer, data in gathered.items()},
+            contributors=tuple(senders),
+            group_id=group_info.group_id.hex(),
+            reverted=reverted,
+        )
+
+
+class SafeGradientAverager(CompleteRounds, GradientAverager):  # type: ignore[misc]
+    """hivemind.Optimizer's gradient averager with whole-or-nothing rounds: after a
+    reverted round the optimizer steps with this peer's own gradients, as hivemind does
+    whenever gradient averaging fails."""
+
+
+class SafeStateAverager(CompleteRounds, TrainingStateAverager):  # type: ignore[misc]
+    """hivemind.Optimizer's parameter and statistics averager, whole-or-nothing."""
 
 
 def _modes(group_info: GroupInfo) -> list[AveragingMode]:

@@ -1,5 +1,8 @@
 """One hivemind.Optimizer per peer, configured from the run record; and model checkpoints.
 
+Its gradient and state averagers are flotilla's whole-or-nothing ones
+(:mod:`flotilla.p2p.averaging`): a round a peer died in is reverted, never half applied.
+
 Every averaging phase gets the record's explicit timeouts (hivemind's raw averager waits
 without bound by default), and the record's compression for gradients and state; states
 downloaded by late joiners travel uncompressed, so they start exactly where the swarm is.
@@ -18,6 +21,7 @@ import torch
 
 from flotilla.core.blobs import sha256_hex
 from flotilla.core.tensors import decode_state, encode_state, read_metadata
+from flotilla.p2p.averaging import SafeGradientAverager, SafeStateAverager
 from flotilla.p2p.codecs import hivemind_compression
 from flotilla.p2p.record import RunRecord
 from flotilla.tasks.base import load_model_state, model_state
@@ -30,6 +34,27 @@ TRACKER_OPTS = {"min_refresh_period": 0.5, "max_refresh_period": 3.0, "default_r
 def model_sha256(model: torch.nn.Module) -> str:
     """Hash of a model's weights in the wire format, equal wherever the weights are."""
     return sha256_hex(encode_state(model_state(model)))
+
+
+class FlotillaOptimizer(hivemind.Optimizer):  # type: ignore[misc]
+    """hivemind.Optimizer whose gradient and state rounds commit whole or are reverted."""
+
+    def _make_state_averager(self, **kwargs: Any) -> SafeStateAverager:
+        return SafeStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
 
 
 def make_optimizer(
@@ -46,7 +71,8 @@ def make_optimizer(
         factory = partial(torch.optim.Adam, lr=record.learning_rate)
     else:
         factory = partial(torch.optim.SGD, lr=record.learning_rate, momentum=0.9)
-    return hivemind.Optimizer(
+    gradients = record.averaging == "gradients"
+    return FlotillaOptimizer(
         dht=dht,
         run_id=record.run,
         target_batch_size=record.target_batch_size,
@@ -58,10 +84,11 @@ def make_optimizer(
         allreduce_timeout=record.allreduce_timeout,
         next_chunk_timeout=record.next_chunk_timeout,
         load_state_timeout=record.load_state_timeout,
-        use_local_updates=record.averaging == "state",
+        use_local_updates=not gradients,
         client_mode=dht.client_mode,
         auxiliary=auxiliary,
         grad_compression=compression,
+        grad_averager_factory=SafeGradientAverager if gradients else None,
         state_averaging_compression=compression,
         tracker_opts=dict(TRACKER_OPTS),
         # hivemind warns (and may deadlock) when a request may outlive matchmaking.
