@@ -45,6 +45,12 @@ def add_volunteer_parser(commands: Any) -> None:
     coord.add_argument("--learning-rate", type=float, default=3e-3)
     coord.add_argument("--matchmaking-time", type=float, default=5.0)
     coord.add_argument("--averaging-timeout", type=float, default=30.0)
+    coord.add_argument(
+        "--plain-averaging",
+        action="store_true",
+        help="hivemind's own averaging (lets plain-hivemind peers join; partial averages "
+        "possible when a peer dies mid-round)",
+    )
     coord.add_argument("--checkpoint-every", type=int, default=1, help="epochs")
     coord.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
     coord.set_defaults(handler=_coordinate)
@@ -127,6 +133,7 @@ def _coordinate(args: argparse.Namespace) -> int:
         "learning_rate": args.learning_rate,
         "matchmaking_time": args.matchmaking_time,
         "averaging_timeout": args.averaging_timeout,
+        "verified_averaging": not args.plain_averaging,
     }
     coordinator = Coordinator(
         CoordinatorOptions(

@@ -56,6 +56,8 @@ class RoundResult:
     group_id: str
     #: ``(group id, reason)`` of each earlier attempt of this step that was reverted.
     reverted: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    #: Seconds the committed attempt's all-reduce took, verdict included.
+    seconds: float = 0.0
 
 
 class CompleteRounds:
@@ -199,7 +201,9 @@ class SafeAverager(CompleteRounds, DecentralizedAverager):  # type: ignore[misc]
     async def _aggregate_with_group(
         self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any
     ) -> RoundResult:
+        began = time.perf_counter()
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        seconds = time.perf_counter() - began
         reverted = self._pop_reverted()
         modes = _modes(group_info)
         senders = [
@@ -212,6 +216,7 @@ class SafeAverager(CompleteRounds, DecentralizedAverager):  # type: ignore[misc]
             contributors=tuple(senders),
             group_id=group_info.group_id.hex(),
             reverted=reverted,
+            seconds=seconds,
         )
 
 

@@ -53,6 +53,9 @@ class RunRecord:
     #: ``gradients`` (hivemind's gradient averaging, one global step per epoch) or
     #: ``state`` (local steps, parameters averaged every epoch).
     averaging: str = "gradients"
+    #: Whole-or-nothing rounds (flotilla.p2p.averaging). Plain-hivemind peers cannot take
+    #: part in the verdict round, so a run meant for them sets this false.
+    verified_averaging: bool = True
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
     allreduce_timeout: float = 20.0

@@ -1,6 +1,7 @@
 """One hivemind.Optimizer per peer, configured from the run record; and model checkpoints.
 
-Its gradient and state averagers are flotilla's whole-or-nothing ones
+Unless the record turns ``verified_averaging`` off (runs open to plain-hivemind peers), its
+gradient and state averagers are flotilla's whole-or-nothing ones
 (:mod:`flotilla.p2p.averaging`): a round a peer died in is reverted, never half applied.
 
 Every averaging phase gets the record's explicit timeouts (hivemind's raw averager waits
@@ -36,7 +37,7 @@ def model_sha256(model: torch.nn.Module) -> str:
     return sha256_hex(encode_state(model_state(model)))
 
 
-class FlotillaOptimizer(hivemind.Optimizer):  # type: ignore[misc]
+class VerifiedOptimizer(hivemind.Optimizer):  # type: ignore[misc]
     """hivemind.Optimizer whose gradient and state rounds commit whole or are reverted."""
 
     def _make_state_averager(self, **kwargs: Any) -> SafeStateAverager:
@@ -72,7 +73,9 @@ def make_optimizer(
     else:
         factory = partial(torch.optim.SGD, lr=record.learning_rate, momentum=0.9)
     gradients = record.averaging == "gradients"
-    return FlotillaOptimizer(
+    verified = record.verified_averaging
+    optimizer_class = VerifiedOptimizer if verified else hivemind.Optimizer
+    return optimizer_class(
         dht=dht,
         run_id=record.run,
         target_batch_size=record.target_batch_size,
@@ -88,7 +91,7 @@ def make_optimizer(
         client_mode=dht.client_mode,
         auxiliary=auxiliary,
         grad_compression=compression,
-        grad_averager_factory=SafeGradientAverager if gradients else None,
+        grad_averager_factory=SafeGradientAverager if gradients and verified else None,
         state_averaging_compression=compression,
         tracker_opts=dict(TRACKER_OPTS),
         # hivemind warns (and may deadlock) when a request may outlive matchmaking.
