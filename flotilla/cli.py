@@ -144,6 +144,19 @@ def _server_parser(commands: Any) -> None:
     server.add_argument(
         "--liveness", type=float, default=30.0, help="seconds before a silent device is dropped"
     )
+    server.add_argument(
+        "--volunteer-run",
+        "--p2p",
+        dest="volunteer_run",
+        action="append",
+        default=[],
+        metavar="NAME=TASK",
+        help="coordinate a volunteer run (the p2p extra); repeatable",
+    )
+    server.add_argument(
+        "--p2p-host-maddrs", nargs="+", default=None, metavar="MADDR",
+        help="where volunteer peers reach the server (default: loopback only)",
+    )  # fmt: skip
     server.set_defaults(handler=_serve)
     sub = server.add_subparsers(title="server commands", metavar="SUBCOMMAND")
     token = sub.add_parser("token", help="manage enrolment tokens")
@@ -161,8 +174,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SpecError("--tls-cert and --tls-key go together")
+    from flotilla.server.volunteer_host import VolunteerRunSpec
+
     single_threaded_blas()
     config = ServerConfig(
+        volunteer_runs=tuple(VolunteerRunSpec.parse(v) for v in args.volunteer_run),
+        p2p_host_maddrs=tuple(args.p2p_host_maddrs) if args.p2p_host_maddrs else None,
         host=args.host,
         port=args.port,
         state_dir=args.state_dir,
@@ -176,6 +193,8 @@ def _serve(args: argparse.Namespace) -> int:
         server = FederationServer(config)
         port = await server.start()
         print(f"flotilla server listening on {args.host}:{port}", flush=True)
+        for run in server.volunteers.infos():
+            print(f"volunteer run {run['run']}: {' '.join(run['maddrs'])}", flush=True)
         try:
             await server.wait()
         finally:

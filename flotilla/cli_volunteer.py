@@ -55,6 +55,14 @@ def add_volunteer_parser(commands: Any) -> None:
     coord.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
     coord.set_defaults(handler=_coordinate)
 
+    runs = sub.add_parser("runs", help="the volunteer runs a federation server coordinates")
+    runs.add_argument("--server", default="127.0.0.1:7070", help="HOST:PORT")
+    runs.add_argument("--state-dir", type=Path, default=None, help="reads operator.token here")
+    runs.add_argument("--token", default=None, help="operator token")
+    runs.add_argument("--tls-ca", type=Path, default=None)
+    runs.add_argument("--json", action="store_true")
+    runs.set_defaults(handler=_runs)
+
     status = sub.add_parser("status", help="a run's state, read from the DHT")
     status.add_argument("--run", required=True)
     status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
@@ -170,6 +178,38 @@ def _coordinate(args: argparse.Namespace) -> int:
         coordinator.serve(stop, show)
     finally:
         coordinator.shutdown()
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from flotilla.server.remote import RemoteServer, operator_token
+
+    async def go() -> list[dict[str, Any]]:
+        token = operator_token(args.state_dir, args.token)
+        async with RemoteServer(args.server, token, args.tls_ca) as remote:
+            return [
+                {
+                    "run": r.run,
+                    "task": r.task,
+                    "maddrs": list(r.maddrs),
+                    "coordinator_key": r.coordinator_key,
+                    "status": json.loads(r.status_json) if r.status_json else None,
+                }
+                for r in await remote.volunteer_runs()
+            ]
+
+    runs = asyncio.run(go())
+    if args.json:
+        print(json.dumps(runs, indent=2))
+        return 0
+    for run in runs:
+        status = run["status"] or {}
+        print(
+            f"{run['run']:16} {run['task']:40} epoch {status.get('epoch', '-')} "
+            f"peers {status.get('peers_online', '-')} join: {run['maddrs'][0]}"
+        )
     return 0
 
 

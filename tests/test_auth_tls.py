@@ -150,6 +150,9 @@ def _operator_calls(live: LiveServer, job_id: str) -> dict[str, Callable[[Any], 
             o.ExportModel(pb.GetJobRequest(job_id=job_id), metadata=md, timeout=10)
         ),
         "ListDevices": lambda md: o.ListDevices(pb.ListDevicesRequest(), metadata=md, timeout=10),
+        "ListVolunteerRuns": lambda md: o.ListVolunteerRuns(
+            pb.ListVolunteerRunsRequest(), metadata=md, timeout=10
+        ),
     }
 
 

@@ -226,3 +226,51 @@ def test_a_volunteer_refuses_a_run_of_another_task_or_coordinator(
     impostor = _volunteer(peers, "pinned", run, maddr, "--coordinator-key", "A" * 43 + "=")
     assert impostor.wait(timeout=120) == 1
     assert "not the coordinator key" in peers.log("pinned")
+
+
+@pytest.mark.timeout(300)
+def test_a_federation_server_coordinates_a_volunteer_run_and_lists_it(
+    peers: Peers, tmp_path: Path, db_url: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.conftest import ServerProcess
+
+    monkeypatch.setenv("FLOTILLA_CACHE_DIR", peers.env["FLOTILLA_CACHE_DIR"])
+    server = ServerProcess(
+        tmp_path / "state", db_url, extra=("--liveness", "6", "--p2p", f"lm={TASK}")
+    )
+    server.start(timeout=90)
+    try:
+
+        def runs() -> list[dict[str, Any]]:
+            out = subprocess.run(
+                [sys.executable, "-m", "flotilla", "volunteer", "runs", "--server",
+                 server.address, "--state-dir", str(server.state_dir), "--json"],
+                capture_output=True, text=True, env=peers.env, timeout=60, check=True,
+            )  # fmt: skip
+            return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+        (listed,) = runs()
+        assert listed["run"] == "lm" and listed["task"] == TASK
+        assert listed["maddrs"][0].startswith("/ip4/127.0.0.1/tcp/")
+        joined = _volunteer(
+            peers, "v", "lm", listed["maddrs"][0],
+            "--coordinator-key", listed["coordinator_key"], "--max-epochs", "2",
+        )  # fmt: skip
+        out, _ = joined.communicate(timeout=200)
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["last_epoch"] >= 2, peers.log("v")
+        status = _wait(
+            "the server to report the run's epochs",
+            lambda: (lambda r: r["status"] and r["status"]["epoch"] >= 2 and r)(runs()[0]),
+            60,
+            every=2.0,
+        )["status"]
+        assert status["loss_history"] and status["loss_history"][-1][1] < 4.5
+        unauthenticated = subprocess.run(
+            [sys.executable, "-m", "flotilla", "volunteer", "runs", "--server",
+             server.address, "--token", "not-a-token"],
+            capture_output=True, text=True, env=peers.env, timeout=60,
+        )  # fmt: skip
+        assert unauthenticated.returncode == 3, unauthenticated.stderr
+    finally:
+        server.stop()

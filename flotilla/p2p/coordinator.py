@@ -7,6 +7,8 @@ signed metrics into a global loss per epoch, publishes the run's status for
 to ``STATE_DIR/checkpoint.safetensors``. It also shares that state, so when every
 volunteer has left, the next ones resume from the last checkpoint rather than from scratch;
 a restarted coordinator loads it back (and its record, so the run keeps its identity).
+``coordinator.json`` (multiaddrs, key) and ``status.json`` in the state directory let a
+hosting federation server list the run without importing hivemind.
 """
 
 from __future__ import annotations
@@ -99,7 +101,11 @@ class Coordinator:
         self.record, self._signed = record, sign_record(record, key)
         publish_record(self._dht, record.run, self._signed)
         self._last_publish = time.monotonic()
-        return visible_maddrs(self._dht)
+        maddrs = visible_maddrs(self._dht)
+        _write_json(
+            self._dir / "coordinator.json", {"maddrs": maddrs, "public_key": self.public_key}
+        )
+        return maddrs
 
     def _load_or_make_record(self, task: Any) -> RunRecord:
         path = self._dir / "record.json"
@@ -128,10 +134,9 @@ class Coordinator:
             self._history = {int(e): dict(peers) for e, peers in raw.items()}
 
     def _save_history(self) -> None:
-        path = self._dir / "history.json"
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({str(e): p for e, p in sorted(self._history.items())}))
-        tmp.replace(path)
+        _write_json(
+            self._dir / "history.json", {str(e): p for e, p in sorted(self._history.items())}
+        )
 
     def _share_epoch(self, epoch: int) -> None:
         """Offer our state at ``epoch`` to peers that load state (late or resuming ones)."""
@@ -155,6 +160,7 @@ class Coordinator:
             self._checkpoint()
         status = self._status(metrics, epoch, progress)
         publish_status(self._dht, status)
+        _write_json(self._dir / "status.json", dataclasses.asdict(status))
         return status
 
     def _merge(self, metrics: list[PeerMetrics]) -> None:
@@ -221,3 +227,10 @@ class Coordinator:
             self._opt.shutdown()
         if self._dht is not None:
             self._dht.shutdown()
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """Atomically: readers (the hosting server) never see half a file."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)

@@ -334,3 +334,27 @@ class ListDevicesReply(_message.Message):
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     def __init__(self, devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
+
+class ListVolunteerRunsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VolunteerRunInfo(_message.Message):
+    __slots__ = ("run", "task", "maddrs", "coordinator_key", "status_json")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    MADDRS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_KEY_FIELD_NUMBER: _ClassVar[int]
+    STATUS_JSON_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    task: str
+    maddrs: _containers.RepeatedScalarFieldContainer[str]
+    coordinator_key: str
+    status_json: str
+    def __init__(self, run: _Optional[str] = ..., task: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., coordinator_key: _Optional[str] = ..., status_json: _Optional[str] = ...) -> None: ...
+
+class ListVolunteerRunsReply(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[VolunteerRunInfo]
+    def __init__(self, runs: _Optional[_Iterable[_Union[VolunteerRunInfo, _Mapping]]] = ...) -> None: ...

@@ -444,6 +444,11 @@ class OperatorStub:
                 request_serializer=flotilla_dot_proto_dot_flotilla__pb2.ListDevicesRequest.SerializeToString,
                 response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.ListDevicesReply.FromString,
                 _registered_method=True)
+        self.ListVolunteerRuns = channel.unary_unary(
+                '/flotilla.v1.Operator/ListVolunteerRuns',
+                request_serializer=flotilla_dot_proto_dot_flotilla__pb2.ListVolunteerRunsRequest.SerializeToString,
+                response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.ListVolunteerRunsReply.FromString,
+                _registered_method=True)
 
 
 class OperatorServicer:
@@ -486,6 +491,13 @@ class OperatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListVolunteerRuns(self, request, context):
+        """Volunteer runs this server coordinates (flotilla server --volunteer-run).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OperatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -518,6 +530,11 @@ def add_OperatorServicer_to_server(servicer, server):
                     servicer.ListDevices,
                     request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.ListDevicesRequest.FromString,
                     response_serializer=flotilla_dot_proto_dot_flotilla__pb2.ListDevicesReply.SerializeToString,
+            ),
+            'ListVolunteerRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVolunteerRuns,
+                    request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.ListVolunteerRunsRequest.FromString,
+                    response_serializer=flotilla_dot_proto_dot_flotilla__pb2.ListVolunteerRunsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -682,6 +699,33 @@ class Operator:
             '/flotilla.v1.Operator/ListDevices',
             flotilla_dot_proto_dot_flotilla__pb2.ListDevicesRequest.SerializeToString,
             flotilla_dot_proto_dot_flotilla__pb2.ListDevicesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVolunteerRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flotilla.v1.Operator/ListVolunteerRuns',
+            flotilla_dot_proto_dot_flotilla__pb2.ListVolunteerRunsRequest.SerializeToString,
+            flotilla_dot_proto_dot_flotilla__pb2.ListVolunteerRunsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,6 +34,7 @@ from flotilla.server.gateway import Gateway
 from flotilla.server.memory import release_free_memory
 from flotilla.server.operator_service import OperatorService
 from flotilla.server.store import Store, default_url
+from flotilla.server.volunteer_host import VolunteerHost, VolunteerRunSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class ServerConfig:
     #: gRPC buffers, so this bounds server memory under a fleet-wide fetch.
     download_slots: int = 2
     download_chunk_bytes: int = CHUNK_BYTES
+    #: Volunteer runs to coordinate (the ``p2p`` extra), and where their peers listen.
+    volunteer_runs: tuple[VolunteerRunSpec, ...] = ()
+    p2p_host_maddrs: tuple[str, ...] | None = None
 
 
 class FederationServer:
@@ -82,6 +86,9 @@ class FederationServer:
         self._background: set[asyncio.Task[None]] = set()
         self._devices: dict[str, DeviceRecord] = {}
         self._rng = random.Random()
+        self.volunteers = VolunteerHost(
+            config.volunteer_runs, self.state_dir / "volunteer", config.p2p_host_maddrs
+        )
 
     @property
     def db_url(self) -> str:
@@ -123,6 +130,7 @@ class FederationServer:
         self._spawn(self._reaper())
         for job in await self.store.jobs_to_resume():
             self._start_runner(job)
+        await self.volunteers.start()
         log.info("listening on %s:%d", self.config.host, self.port)
         return self.port
 
@@ -133,6 +141,7 @@ class FederationServer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.arbiter.close()
+        await self.volunteers.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
         await self.store.close()

@@ -111,6 +111,13 @@ class OperatorService(pb_grpc.OperatorServicer):
         await self._operator(context)
         return pb.ListDevicesReply(devices=await self.server.device_infos(request.task))
 
+    async def ListVolunteerRuns(
+        self, request: pb.ListVolunteerRunsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListVolunteerRunsReply:
+        await self._operator(context)
+        runs = [pb.VolunteerRunInfo(**info) for info in self.server.volunteers.infos()]
+        return pb.ListVolunteerRunsReply(runs=runs)
+
     async def ExportModel(
         self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:

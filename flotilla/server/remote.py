@@ -98,7 +98,7 @@ class RemoteServer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._channel.close()
+        await self._channel.close(None)
 
     @property
     def _md(self) -> tuple[tuple[str, str], ...]:
@@ -111,7 +111,10 @@ class RemoteServer:
             raise _translate(exc) from exc
 
     async def submit(self, spec: JobSpec) -> pb.JobInfo:
-        return await self._call(self._stub.SubmitJob, pb.SubmitJobRequest(spec_json=spec.to_json()))
+        info: pb.JobInfo = await self._call(
+            self._stub.SubmitJob, pb.SubmitJobRequest(spec_json=spec.to_json())
+        )
+        return info
 
     async def jobs(self) -> list[pb.JobInfo]:
         reply = await self._call(self._stub.ListJobs, pb.ListJobsRequest())
@@ -121,12 +124,18 @@ class RemoteServer:
         reply = await self._call(self._stub.ListDevices, pb.ListDevicesRequest(task=task))
         return list(reply.devices)
 
+    async def volunteer_runs(self) -> list[pb.VolunteerRunInfo]:
+        reply = await self._call(self._stub.ListVolunteerRuns, pb.ListVolunteerRunsRequest())
+        return list(reply.runs)
+
     async def job(self, job_id: str, with_rounds: bool = False) -> pb.JobInfo:
         request = pb.GetJobRequest(job_id=job_id, with_rounds=with_rounds)
-        return await self._call(self._stub.GetJob, request)
+        info: pb.JobInfo = await self._call(self._stub.GetJob, request)
+        return info
 
     async def cancel(self, job_id: str) -> pb.JobInfo:
-        return await self._call(self._stub.CancelJob, pb.GetJobRequest(job_id=job_id))
+        info: pb.JobInfo = await self._call(self._stub.CancelJob, pb.GetJobRequest(job_id=job_id))
+        return info
 
     async def export(self, job_id: str, max_bytes: int = 2**34) -> bytes:
         call = self._stub.ExportModel(

@@ -1,0 +1,126 @@
+"""Volunteer runs a federation server coordinates (``flotilla server --p2p NAME=TASK``).
+
+Each run's coordinator is a child process (``flotilla volunteer coordinate``, state in
+``STATE_DIR/volunteer/NAME``): hivemind forks its own workers and wants the main thread for
+signals, neither of which a gRPC server process can offer safely. The child writes
+``coordinator.json`` (multiaddrs, public key) once it is up and ``status.json`` every
+second; the server reads those for ``Operator.ListVolunteerRuns``, and so never imports
+hivemind itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flotilla.core.errors import FlotillaError, SpecError
+
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class VolunteerRunSpec:
+    run: str
+    task: str
+
+    @classmethod
+    def parse(cls, text: str) -> VolunteerRunSpec:
+        """``NAME=package.module:Task``, as given on the command line."""
+        run, sep, task = text.partition("=")
+        if not sep or not run.strip() or ":" not in task:
+            raise SpecError(f"--p2p wants NAME=package.module:Task, got {text!r}")
+        return cls(run.strip(), task.strip())
+
+
+@dataclass
+class HostedRun:
+    spec: VolunteerRunSpec
+    state_dir: Path
+    proc: asyncio.subprocess.Process
+    maddrs: list[str]
+    public_key: str
+
+
+class VolunteerHost:
+    def __init__(
+        self,
+        specs: Sequence[VolunteerRunSpec],
+        state_dir: Path,
+        host_maddrs: Sequence[str] | None = None,
+    ) -> None:
+        self._specs = list(specs)
+        self._dir = state_dir
+        self._host_maddrs = host_maddrs
+        self.runs: list[HostedRun] = []
+
+    async def start(self) -> None:
+        for spec in self._specs:
+            self.runs.append(await self._start_one(spec))
+
+    async def _start_one(self, spec: VolunteerRunSpec) -> HostedRun:
+        state = self._dir / spec.run
+        state.mkdir(parents=True, exist_ok=True)
+        ready = state / "coordinator.json"
+        ready.unlink(missing_ok=True)
+        args = [
+            "-m", "flotilla", "volunteer", "coordinate", "--run", spec.run,
+            "--task", spec.task, "--state-dir", str(state),
+        ]  # fmt: skip
+        if self._host_maddrs:
+            args += ["--host-maddrs", *self._host_maddrs]
+        log = open(state / "coordinator.log", "ab")  # noqa: SIM115 (the child owns it)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *args,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.exists():
+            if proc.returncode is not None or time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                tail = (state / "coordinator.log").read_text(errors="replace")[-2000:]
+                raise FlotillaError(f"volunteer run {spec.run!r} did not start:\n{tail}")
+            await asyncio.sleep(0.2)
+        info = json.loads(ready.read_text())
+        return HostedRun(spec, state, proc, list(info["maddrs"]), str(info["public_key"]))
+
+    def infos(self) -> list[dict[str, Any]]:
+        out = []
+        for h in self.runs:
+            status = h.state_dir / "status.json"
+            out.append(
+                {
+                    "run": h.spec.run,
+                    "task": h.spec.task,
+                    "maddrs": h.maddrs,
+                    "coordinator_key": h.public_key,
+                    "status_json": status.read_text() if status.exists() else "",
+                }
+            )
+        return out
+
+    async def stop(self) -> None:
+        for hosted in self.runs:
+            if hosted.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(hosted.proc.pid, signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(hosted.proc.wait(), STOP_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(hosted.proc.pid, signal.SIGKILL)
+                    await hosted.proc.wait()
