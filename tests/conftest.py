@@ -24,9 +24,10 @@ DIGITS = "flotilla.tasks.digits:DigitsTask"
 POSTGRES_URL = os.environ.get("FLOTILLA_TEST_POSTGRES_URL")
 
 
-def database_params() -> list[str]:
-    """SQLite always; PostgreSQL too when FLOTILLA_TEST_POSTGRES_URL is set."""
-    return ["sqlite", "postgres"] if POSTGRES_URL else ["sqlite"]
+def server_database_params() -> list[str]:
+    """For end-to-end runs of the real server: PostgreSQL when FLOTILLA_TEST_POSTGRES_URL is
+    set, else SQLite. The store's own tests (test_store.py) cover both on every run."""
+    return ["postgres"] if POSTGRES_URL else ["sqlite"]
 
 
 def flotilla(
@@ -178,7 +179,7 @@ def _wipe_postgres(url: str) -> None:
     asyncio.run(wipe())
 
 
-@pytest.fixture(params=database_params())
+@pytest.fixture(params=server_database_params())
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
     """None means the server's default SQLite file in its state dir."""
     if request.param == "postgres":

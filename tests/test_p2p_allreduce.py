@@ -23,7 +23,7 @@ SIZE = 10_000_000
 PEERS = 8
 KILLED = 2
 TRIALS = 5
-TIMEOUT_S = 20.0
+TIMEOUT_S = 15.0
 
 
 class Peer:

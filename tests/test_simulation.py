@@ -415,6 +415,7 @@ seed = 1
         [
             "job.round_deadline_s=20.0",
             "job.min_quorum=2",
+            "scheduling.selector=random",  # picks slow phones too: they must be cut off
             "population.dropout=0.0",
             "population.seconds_per_sample=1.0",
         ],

@@ -133,7 +133,7 @@ def _peer_id(peers: Peers, name: str) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_four_volunteers_train_survive_a_kill_and_a_late_joiner_catches_up(
+def test_four_volunteers_train_survive_kills_catch_up_late_and_resume_after_all_left(
     peers: Peers, tmp_path: Path
 ) -> None:
     run = "charlm"
@@ -183,31 +183,18 @@ def test_four_volunteers_train_survive_a_kill_and_a_late_joiner_catches_up(
     for proc in volunteers[1:]:
         assert proc.poll() is None, "a survivor stopped"
 
-
-@pytest.mark.timeout(600)
-def test_a_run_resumes_from_the_coordinators_checkpoint_after_every_volunteer_left(
-    peers: Peers, tmp_path: Path
-) -> None:
-    run = "resume"
-    maddr = _coordinate(peers, run, tmp_path / "coord")
-    first = [_volunteer(peers, f"a{i}", run, maddr) for i in range(2)]
-    status = _wait(
-        "a checkpoint at epoch 3",
-        lambda: (lambda s: (s["checkpoint_epoch"] or 0) >= 3 and s)(_status(peers, run, maddr)),
-        240,
-        every=2.0,
-    )
-    for proc in first:
+    # Every volunteer leaves (kill -9); two new ones resume from the coordinator's last
+    # checkpoint, not from scratch.
+    checkpoint = _status(peers, run, maddr)["checkpoint_epoch"]
+    for proc in volunteers[1:]:
         os.killpg(proc.pid, signal.SIGKILL)
-    checkpoint = status["checkpoint_epoch"]
     assert (tmp_path / "coord" / "checkpoint.safetensors").exists()
-
     second = [_volunteer(peers, f"b{i}", run, maddr, "--max-epochs", "1") for i in range(2)]
-    for proc in second:
+    for i, proc in enumerate(second):
         out, _ = proc.communicate(timeout=240)
         report = json.loads(out.strip().splitlines()[-1])
-        assert report["first_epoch"] >= checkpoint, report  # resumed, not from scratch
-        assert min(report["epoch_losses"].values()) < 4.2, report
+        assert report["first_epoch"] >= checkpoint, (report, peers.log(f"b{i}"))
+        assert min(report["epoch_losses"].values()) < 4.0, report
 
 
 @pytest.mark.timeout(300)

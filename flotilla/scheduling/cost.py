@@ -17,7 +17,7 @@ from flotilla.scheduling.history import FleetHistory, RoundOutcome
 @dataclass(frozen=True, slots=True)
 class CostModel:
     alpha: float = 1.0
-    beta: float = 1.0
+    beta: float = 3000.0
 
     def cost(self, round_seconds: float, counts_after: np.ndarray) -> float:
         """Cost of a round of ``round_seconds`` that leaves selection counts ``counts_after``."""

@@ -1,9 +1,10 @@
-"""A long-lived peer of the partial-average test; stdin drives it, one trial per line.
+"""A long-lived peer of the partial-average tests; stdin drives it, one trial per line.
 
-For each line ``TRIAL`` it all-reduces a tensor seeded by (rank, trial) through a fresh
-SafeAverager (prefix ``trialTRIAL``) and prints one JSON line: the outcome, and how far its
-final tensor is from the exact weighted average of the contributors its round names (or
-whether it is bit-for-bit its starting tensor). Prints ``ready`` when it can take a trial.
+For each line ``TRIAL [COMPRESSION]`` it all-reduces a tensor seeded by (rank, trial)
+through a fresh SafeAverager (prefix ``trialTRIAL``) and prints one JSON line: the outcome,
+and how far its final tensor is from the exact weighted average of the contributors its
+round names (or whether it is bit-for-bit its starting tensor). Prints ``ready`` when it
+can take a trial.
 """
 
 from __future__ import annotations
@@ -32,15 +33,18 @@ def main() -> int:
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--group-size", type=int, required=True)
     parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--host-maddrs", nargs="+", default=None)
+    parser.add_argument("--chunk-timeout", type=float, default=2.0)
     args = parser.parse_args()
 
-    from flotilla.p2p import start_dht
+    from flotilla.p2p import hivemind_compression, start_dht
     from flotilla.p2p.averaging import SafeAverager
 
-    dht = start_dht(args.initial_peers)
+    dht = start_dht(args.initial_peers, args.host_maddrs)
     print("ready", flush=True)
     for line in sys.stdin:
-        trial = int(line)
+        trial_text, _, compression = line.partition(" ")
+        trial = int(trial_text)
         start = initial(args.rank, trial, args.size)
         averager = SafeAverager(
             [start.clone()],
@@ -51,9 +55,10 @@ def main() -> int:
             min_matchmaking_time=3.0,
             request_timeout=1.0,
             allreduce_timeout=args.timeout,
-            sender_timeout=2.0,
-            reducer_timeout=4.0,
-            next_chunk_timeout=2.0,
+            sender_timeout=args.chunk_timeout,
+            reducer_timeout=2 * args.chunk_timeout,
+            next_chunk_timeout=args.chunk_timeout,
+            compression=hivemind_compression(compression.strip() or "none"),
             start=True,
         )
         print("armed", flush=True)
@@ -66,6 +71,7 @@ def main() -> int:
                 outcome="committed",
                 contributors=contributors,
                 reverted=[reason for _, reason in got.reverted],
+                allreduce_seconds=got.seconds,
             )
         except Exception as exc:  # the step gave up: the tensor must be the pre-round one
             result.update(outcome="failed", error=f"{type(exc).__name__}: {exc}"[:300])
