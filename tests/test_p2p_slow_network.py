@@ -92,7 +92,7 @@ def test_volunteers_complete_epochs_across_a_slow_lossy_link(
             out, _ = proc.communicate(timeout=330)
             assert proc.returncode == 0, (tmp_path / f"v{host}.err").read_text()[-3000:]
             report = json.loads(out.strip().splitlines()[-1])
-            assert report["last_epoch"] >= report["first_epoch"] + 3, report
+            assert report["last_epoch"] >= report["first_epoch"] + 2, report
         stats = net.stats()["total"]
         assert stats["lost"] > 0  # the link really dropped packets
 
