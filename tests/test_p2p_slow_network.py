@@ -79,7 +79,7 @@ def test_volunteers_complete_epochs_across_a_slow_lossy_link(
                     maddr,
                     *_maddr(net, host),
                     "--max-epochs",
-                    "3",
+                    "2",
                 ],
                 stdout=subprocess.PIPE,
                 stderr=open(tmp_path / f"v{host}.err", "w"),  # noqa: SIM115
