@@ -216,3 +216,23 @@ def test_int8_names_one_wire_type_hivemind_cannot_decode_without_flotilla() -> N
     wire = Uniform8BitQuantization().compress(tensor, CompressionInfo.from_tensor(tensor))
     with pytest.raises(TypeError, match="0-dimensional"):
         Uniform8BitQuantization().extract(wire)
+
+
+def test_malformed_peer_records_are_skipped_not_trusted(
+    dht_pair: tuple[object, object],
+) -> None:
+    """Any peer can write metrics: wrong types must not reach the coordinator's arithmetic."""
+    from hivemind.utils import get_dht_time
+
+    from flotilla.p2p import PeerMetrics, read_metrics
+    from flotilla.p2p.dht import metrics_key, publish_metrics
+
+    writer, reader = dht_pair
+    good = PeerMetrics("p1", 3, 10, 160, 40.0, 2.5, {"2": 2.7}, time=1.0)
+    assert publish_metrics(writer, "m", good)  # type: ignore[arg-type]
+    bad = {**dataclasses.asdict(good), "peer": "p2", "loss": "not a number"}
+    subkey = "intruder"  # a subkey without an owner marker is stored unsigned
+    writer.store(metrics_key("m"), bad, get_dht_time() + 30, subkey=subkey)  # type: ignore[attr-defined]
+    assert read_metrics(reader, "m") == [good]  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="epoch_losses"):
+        PeerMetrics("p", 1, 1, 1, 1.0, 1.0, {"x": 1.0})

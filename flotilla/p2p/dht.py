@@ -16,7 +16,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import hivemind
 from hivemind.dht.schema import RSASignatureValidator
@@ -29,6 +29,7 @@ LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 RECORD_TTL_S = 120.0
 METRICS_TTL_S = 60.0
 DHT_TIMEOUT_S = 30.0
+T = TypeVar("T")
 
 
 def record_key(run: str) -> str:
@@ -142,33 +143,22 @@ class PeerMetrics:
     auxiliary: bool = False
     time: float = 0.0
 
-    @classmethod
-    def from_wire(cls, value: Any) -> PeerMetrics | None:
-        if not isinstance(value, dict):
-            return None
-        try:
-            return cls(**value)
-        except TypeError:
-            return None
+    def __post_init__(self) -> None:
+        # Records come from any peer: a wrong type is refused here, not met in arithmetic.
+        _check_types(self, PEER_METRIC_TYPES)
+        if not all(
+            isinstance(k, str) and k.isdigit() and _is_number(v)
+            for k, v in self.epoch_losses.items()
+        ):
+            raise TypeError("epoch_losses must map epoch numbers to losses")
 
 
 def publish_metrics(dht: hivemind.DHT, run: str, metrics: PeerMetrics) -> bool:
-    return bool(
-        dht.store(
-            metrics_key(run),
-            dataclasses.asdict(metrics),
-            get_dht_time() + METRICS_TTL_S,
-            subkey=_owner_subkey(),
-        )
-    )
+    return _store_own(dht, metrics_key(run), metrics)
 
 
 def read_metrics(dht: hivemind.DHT, run: str) -> list[PeerMetrics]:
-    found = dht.get(metrics_key(run), latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
-    out = [PeerMetrics.from_wire(item.value) for item in found.value.values()]
-    return [m for m in out if m is not None]
+    return _read_all(dht, metrics_key(run), PeerMetrics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,31 +175,78 @@ class RunStatus:
     checkpoint_epoch: int | None = None
     time: float = 0.0
 
-    @classmethod
-    def from_wire(cls, value: Any) -> RunStatus | None:
-        if not isinstance(value, dict):
-            return None
-        try:
-            return cls(**value)
-        except TypeError:
-            return None
+    def __post_init__(self) -> None:
+        _check_types(self, RUN_STATUS_TYPES)
+        if not all(
+            isinstance(p, list) and len(p) == 2 and all(_is_number(x) for x in p)
+            for p in self.loss_history
+        ):
+            raise TypeError("loss_history must be [epoch, loss] pairs")
 
 
 def publish_status(dht: hivemind.DHT, status: RunStatus) -> bool:
+    return _store_own(dht, status_key(status.run), status)
+
+
+def read_status(dht: hivemind.DHT, run: str) -> RunStatus | None:
+    statuses = _read_all(dht, status_key(run), RunStatus)
+    return max(statuses, key=lambda s: s.time) if statuses else None
+
+
+def _store_own(dht: hivemind.DHT, key: str, record: Any) -> bool:
+    """Store a dataclass under this peer's owner subkey: hivemind signs it, and peers'
+    validators refuse it if anyone else rewrites it."""
     return bool(
         dht.store(
-            status_key(status.run),
-            dataclasses.asdict(status),
-            get_dht_time() + METRICS_TTL_S,
-            subkey=_owner_subkey(),
+            key, dataclasses.asdict(record), get_dht_time() + METRICS_TTL_S, subkey=_owner_subkey()
         )
     )
 
 
-def read_status(dht: hivemind.DHT, run: str) -> RunStatus | None:
-    found = dht.get(status_key(run), latest=True)
+def _read_all(dht: hivemind.DHT, key: str, cls: type[T]) -> list[T]:
+    """Every well-formed record under ``key``; malformed ones (another version) are skipped."""
+    found = dht.get(key, latest=True)
     if found is None or not isinstance(found.value, dict):
-        return None
-    statuses = [RunStatus.from_wire(item.value) for item in found.value.values()]
-    fresh = [s for s in statuses if s is not None]
-    return max(fresh, key=lambda s: s.time) if fresh else None
+        return []
+    out = []
+    for item in found.value.values():
+        if isinstance(item.value, dict):
+            try:
+                out.append(cls(**item.value))
+            except TypeError:
+                continue
+    return out
+
+
+PEER_METRIC_TYPES: dict[str, tuple[type, ...]] = {
+    "peer": (str,),
+    "epoch": (int,),
+    "steps": (int,),
+    "samples": (int,),
+    "samples_per_second": (int, float),
+    "loss": (int, float, type(None)),
+    "epoch_losses": (dict,),
+    "auxiliary": (bool,),
+    "time": (int, float),
+}
+RUN_STATUS_TYPES: dict[str, tuple[type, ...]] = {
+    "run": (str,),
+    "epoch": (int,),
+    "peers_online": (int,),
+    "samples_per_second": (int, float),
+    "loss": (int, float, type(None)),
+    "loss_history": (list,),
+    "checkpoint_epoch": (int, type(None)),
+    "time": (int, float),
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_types(record: Any, types: dict[str, tuple[type, ...]]) -> None:
+    for name, allowed in types.items():
+        value = getattr(record, name)
+        if not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool)):
+            raise TypeError(f"{name} has type {type(value).__name__}")
