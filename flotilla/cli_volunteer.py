@@ -121,6 +121,7 @@ def _join(args: argparse.Namespace) -> int:
                 "last_epoch": report.last_epoch,
                 "steps": report.steps,
                 "samples": report.samples,
+                "averaged_epochs": report.averaged_epochs,
                 "epoch_losses": {str(e): v for e, v in sorted(report.epoch_losses.items())},
             }
         ),

@@ -55,8 +55,8 @@ def test_volunteers_complete_epochs_across_a_slow_lossy_link(
             0,
             [sys.executable, "-m", "flotilla", "volunteer", "coordinate", "--run", "far",
              "--task", TASK, "--state-dir", str(tmp_path / "coord"), *_maddr(net, 0),
-             "--target-batch-size", "96", "--matchmaking-time", "3",
-             "--averaging-timeout", "40"],
+             "--target-batch-size", "96", "--matchmaking-time", "8",
+             "--averaging-timeout", "60"],
             stdout=subprocess.PIPE, stderr=open(tmp_path / "c.err", "w"),  # noqa: SIM115
             text=True, env=env,
         )  # fmt: skip

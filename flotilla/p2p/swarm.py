@@ -11,6 +11,7 @@ downloaded by late joiners travel uncompressed, so they start exactly where the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from functools import partial
@@ -37,7 +38,21 @@ def model_sha256(model: torch.nn.Module) -> str:
     return sha256_hex(encode_state(model_state(model)))
 
 
-class VerifiedOptimizer(hivemind.Optimizer):  # type: ignore[misc]
+class CountingOptimizer(hivemind.Optimizer):  # type: ignore[misc]
+    """hivemind.Optimizer that counts the epochs whose gradients were averaged with peers
+    (hivemind falls back to local gradients silently when averaging fails)."""
+
+    averaged_epochs = 0
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        if maybe_step_control is not None and maybe_step_control.done():
+            with contextlib.suppress(Exception):
+                if maybe_step_control.exception(timeout=0) is None:
+                    self.averaged_epochs += 1
+
+
+class VerifiedOptimizer(CountingOptimizer):
     """hivemind.Optimizer whose gradient and state rounds commit whole or are reverted."""
 
     def _make_state_averager(self, **kwargs: Any) -> SafeStateAverager:
@@ -74,7 +89,7 @@ def make_optimizer(
         factory = partial(torch.optim.SGD, lr=record.learning_rate, momentum=0.9)
     gradients = record.averaging == "gradients"
     verified = record.verified_averaging
-    optimizer_class = VerifiedOptimizer if verified else hivemind.Optimizer
+    optimizer_class = VerifiedOptimizer if verified else CountingOptimizer
     return optimizer_class(
         dht=dht,
         run_id=record.run,

@@ -62,6 +62,8 @@ class VolunteerReport:
     last_epoch: int
     steps: int = 0
     samples: int = 0
+    #: Epochs whose gradients this peer averaged with others (the rest used its own).
+    averaged_epochs: int = 0
     #: Mean training loss of this peer's steps in each epoch it trained in.
     epoch_losses: dict[int, float] = field(default_factory=dict)
 
@@ -123,6 +125,7 @@ def run_volunteer(
             batches = task.batches(data, batch_size, seed=_seed_of(peer))
             _train(task, model, opt, batches, options, stop, report, dht, batch_size)
         report.last_epoch = opt.local_epoch
+        report.averaged_epochs = int(getattr(opt, "averaged_epochs", 0))
         return report
     finally:
         if opt is not None:
