@@ -261,3 +261,19 @@ def test_a_federation_server_coordinates_a_volunteer_run_and_lists_it(
         assert unauthenticated.returncode == 3, unauthenticated.stderr
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_coordinator_restarts_with_its_peer_id_and_its_run(
+    peers: Peers, tmp_path: Path
+) -> None:
+    """Volunteers' --initial-peers name the coordinator's peer id: it must survive restarts."""
+    state = tmp_path / "coord"
+    first = _coordinate(peers, "stable", state)
+    coordinator = peers.procs[-1]
+    os.killpg(coordinator.pid, signal.SIGKILL)  # a crash: nothing saved on the way out
+    coordinator.wait(timeout=60)
+    second = _coordinate(peers, "stable", state)
+    assert first.rsplit("/p2p/", 1)[1] == second.rsplit("/p2p/", 1)[1]
+    record = json.loads((state / "record.json").read_text())
+    assert record["run"] == "stable" and record["task"] == TASK

@@ -93,7 +93,12 @@ class Coordinator:
         model = task.build_model(record.seed)
         self.checkpoint_epoch = load_checkpoint(self.checkpoint_path, model, record)
         self._load_history()
-        self._dht = start_dht(self.options.initial_peers, self.options.host_maddrs)
+        # A stable peer id: volunteers' --initial-peers stay valid across coordinator restarts.
+        self._dht = start_dht(
+            self.options.initial_peers,
+            self.options.host_maddrs,
+            identity_path=self._dir / "p2p-identity.key",
+        )
         self._model = model  # the optimizer's main parameters: what peers share
         self._opt = make_optimizer(self._dht, record, model, batch_size=1)
         if self.checkpoint_epoch is not None:

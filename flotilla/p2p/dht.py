@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import hivemind
@@ -53,9 +54,15 @@ def start_dht(
     initial_peers: Sequence[str] = (),
     host_maddrs: Sequence[str] | None = None,
     client_mode: bool = False,
+    identity_path: Path | None = None,
 ) -> hivemind.DHT:
     """A DHT node on loopback by default. Client mode (no incoming connections) is set
-    here: hivemind 1.1.12 ignores ``Optimizer(client_mode=...)`` and takes the DHT's."""
+    here: hivemind 1.1.12 ignores ``Optimizer(client_mode=...)`` and takes the DHT's.
+    ``identity_path`` keeps the peer id across restarts (hivemind creates the key file)."""
+    extra: dict[str, Any] = {}
+    if identity_path is not None:
+        identity_path.parent.mkdir(parents=True, exist_ok=True)
+        extra["identity_path"] = str(identity_path)
     return hivemind.DHT(
         initial_peers=list(initial_peers),
         host_maddrs=[] if client_mode else list(host_maddrs or LOOPBACK_MADDRS),
@@ -63,6 +70,7 @@ def start_dht(
         record_validators=[RSASignatureValidator()],
         startup_timeout=DHT_TIMEOUT_S,
         start=True,
+        **extra,
     )
 
 

@@ -45,6 +45,8 @@ class VolunteerOptions:
     host_maddrs: Sequence[str] | None = None
     #: Trust only records signed by this coordinator key (base64, as the coordinator prints).
     coordinator_key: str | None = None
+    #: Keeps this volunteer's peer identity (so its peer id, and with it its data shard,
+    #: stay the same across restarts).
     state_dir: Path | None = None
     #: Stop after this many optimizer epochs of the run (None: until stopped).
     max_epochs: int | None = None
@@ -99,7 +101,8 @@ def run_volunteer(
 ) -> VolunteerReport:
     stop = stop or threading.Event()
     install_codecs()
-    dht = start_dht(options.initial_peers, options.host_maddrs, options.client_mode)
+    identity = options.state_dir / "identity.key" if options.state_dir else None
+    dht = start_dht(options.initial_peers, options.host_maddrs, options.client_mode, identity)
     opt = None
     try:
         record = fetch_record(dht, options.run, options.coordinator_key, options.record_wait_s)
