@@ -1,4 +1,4 @@
-"""Files that hold secrets."""
+"""Files written safely: secrets only their owner reads, and whole-or-nothing replacements."""
 
 from __future__ import annotations
 
@@ -12,3 +12,11 @@ def write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
     os.chmod(path, 0o600)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so a reader (another process) sees the old file or the
+    new one, never half of one: a temporary file beside it, then a rename."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)

@@ -37,6 +37,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import NoCompression
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils import MSGPackSerializer
 
 VERDICT_SUFFIX = b".flotilla-verdict"
 log = logging.getLogger(__name__)
@@ -102,9 +103,10 @@ class CompleteRounds:
             await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)  # type: ignore[misc]
             return
         snapshot = [t.detach().clone() for t in tensors]
+        senders = _sender_ids(group_info)
         try:
             clean = await self._main_round(tensors, group_info, **kwargs)
-            slots = await self._verdict_round(group_info, clean, **kwargs)
+            slots = await self._verdict_round(group_info, senders, clean, **kwargs)
         except BaseException as exc:
             self._restore(tensors, snapshot)
             self._reverted.append((group_info.group_id.hex(), f"{type(exc).__name__}: {exc}"))
@@ -113,29 +115,32 @@ class CompleteRounds:
             raise
         if not bool((slots > 0).all()):
             self._restore(tensors, snapshot)
-            missing = [
-                str(p)
-                for p, v in zip(_sender_ids(group_info), slots.tolist(), strict=True)
-                if v <= 0
-            ]
+            missing = [str(p) for p, v in zip(senders, slots.tolist(), strict=True) if v <= 0]
             reason = f"incomplete: peers {missing} did not finish cleanly"
             self._reverted.append((group_info.group_id.hex(), reason))
             log.warning("all-reduce %s reverted: %s", group_info.group_id.hex(), reason)
             raise IncompleteAllReduce(f"all-reduce {reason}; local tensors restored")
 
-    async def _main_round(
-        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, **kwargs: Any
-    ) -> bool:
+    def _runner(
+        self, group_info: GroupInfo, group_id: bytes, tensors: Sequence[torch.Tensor], **kwargs: Any
+    ) -> AllReduceRunner:
+        """A runner for one all-reduce of this group, registered so peers' parts reach it."""
         runner = AllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
             tensors=tensors,
-            group_id=group_info.group_id,
+            group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             **kwargs,
         )
-        self._running_groups[group_info.group_id].set_result(runner)
+        self._running_groups[group_id].set_result(runner)
+        return runner
+
+    async def _main_round(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, **kwargs: Any
+    ) -> bool:
+        runner = self._runner(group_info, group_info.group_id, tensors, **kwargs)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:
                 raise ValueError("auxiliary peers receive no averaged tensors")
@@ -148,24 +153,15 @@ class CompleteRounds:
         return missing == 0 and not runner.banned_senders
 
     async def _verdict_round(
-        self, group_info: GroupInfo, clean: bool, **kwargs: Any
+        self, group_info: GroupInfo, senders: list[Any], clean: bool, **kwargs: Any
     ) -> torch.Tensor:
-        senders = _sender_ids(group_info)
         slots = torch.zeros(len(senders))
         if self.peer_id in senders and clean:
             slots[senders.index(self.peer_id)] = 1.0
         verdict_kwargs = dict(kwargs)
         verdict_kwargs.update(weight=1.0, compression=NoCompression(), tensor_infos=None)
-        runner = AllReduceRunner(
-            p2p=self._p2p,
-            servicer_type=type(self),
-            prefix=self.prefix,
-            tensors=[slots],
-            group_id=group_info.group_id + VERDICT_SUFFIX,
-            ordered_peer_ids=group_info.peer_ids,
-            **verdict_kwargs,
-        )
-        self._running_groups[group_info.group_id + VERDICT_SUFFIX].set_result(runner)
+        verdict_id = group_info.group_id + VERDICT_SUFFIX
+        runner = self._runner(group_info, verdict_id, [slots], **verdict_kwargs)
         async for delta in runner:
             slots.add_(delta)
         if runner.tensor_part_container.failed_size or runner.banned_senders:
@@ -204,18 +200,11 @@ class SafeAverager(CompleteRounds, DecentralizedAverager):  # type: ignore[misc]
         began = time.perf_counter()
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         seconds = time.perf_counter() - began
-        reverted = self._pop_reverted()
-        modes = _modes(group_info)
-        senders = [
-            str(p)
-            for p, m in zip(group_info.peer_ids, modes, strict=True)
-            if m != AveragingMode.AUX
-        ]
         return RoundResult(
             gathered={str(peer): data for peer, data in gathered.items()},
-            contributors=tuple(senders),
+            contributors=tuple(str(p) for p in _sender_ids(group_info)),
             group_id=group_info.group_id.hex(),
-            reverted=reverted,
+            reverted=self._pop_reverted(),
             seconds=seconds,
         )
 
@@ -230,18 +219,10 @@ class SafeStateAverager(CompleteRounds, TrainingStateAverager):  # type: ignore[
     """hivemind.Optimizer's parameter and statistics averager, whole-or-nothing."""
 
 
-def _modes(group_info: GroupInfo) -> list[AveragingMode]:
-    from hivemind.utils import MSGPackSerializer
-
-    return [AveragingMode(MSGPackSerializer.loads(g)[1]) for g in group_info.gathered]
-
-
 def _sender_ids(group_info: GroupInfo) -> list[Any]:
-    return [
-        p
-        for p, m in zip(group_info.peer_ids, _modes(group_info), strict=True)
-        if m != AveragingMode.AUX
-    ]
+    """The group's peers that contribute tensors (all but auxiliaries), in group order."""
+    modes = (AveragingMode(MSGPackSerializer.loads(g)[1]) for g in group_info.gathered)
+    return [p for p, m in zip(group_info.peer_ids, modes, strict=True) if m != AveragingMode.AUX]
 
 
 async def _zip_async(tensors: Sequence[torch.Tensor], runner: AllReduceRunner) -> Any:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flotilla.core.files import write_atomic
 from flotilla.p2p.codecs import install_codecs
 from flotilla.p2p.dht import (
     PeerMetrics,
@@ -129,7 +129,7 @@ class Coordinator:
             model_sha256=model_sha256(task.build_model(seed)),
             **self.options.record,
         )
-        path.write_text(json.dumps(dataclasses.asdict(record), indent=2))
+        _write_json(path, dataclasses.asdict(record))
         return record
 
     def _load_history(self) -> None:
@@ -236,6 +236,4 @@ class Coordinator:
 
 def _write_json(path: Path, data: Any) -> None:
     """Atomically: readers (the hosting server) never see half a file."""
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(data).encode())

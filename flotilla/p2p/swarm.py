@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import hivemind
 import torch
 
 from flotilla.core.blobs import sha256_hex
+from flotilla.core.files import write_atomic
 from flotilla.core.tensors import decode_state, encode_state, read_metadata
 from flotilla.p2p.averaging import SafeGradientAverager, SafeStateAverager
 from flotilla.p2p.codecs import hivemind_compression
@@ -119,10 +119,7 @@ def make_optimizer(
 def save_checkpoint(path: Path, model: torch.nn.Module, epoch: int, record: RunRecord) -> None:
     """Weights and epoch as safetensors, written atomically (never pickle)."""
     meta = {"epoch": str(epoch), "run": record.run, "task": record.task}
-    blob = encode_state(model_state(model), meta)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(blob)
-    tmp.replace(path)
+    write_atomic(path, encode_state(model_state(model), meta))
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, record: RunRecord) -> int | None:

@@ -128,7 +128,7 @@ def run_volunteer(
             batches = task.batches(data, batch_size, seed=_seed_of(peer))
             _train(task, model, opt, batches, options, stop, report, dht, batch_size)
         report.last_epoch = opt.local_epoch
-        report.averaged_epochs = int(getattr(opt, "averaged_epochs", 0))
+        report.averaged_epochs = opt.averaged_epochs
         return report
     finally:
         if opt is not None:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from flotilla.core.files import write_atomic
 from flotilla.tasks.base import Examples, LocalData, Shard, proximal_anchor, proximal_term
 
 if TYPE_CHECKING:
@@ -98,9 +99,7 @@ def load_corpus(directory: Path | None = None) -> str:
         pass
     text = stdlib_docstrings()
     where.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="ascii")
-    tmp.replace(path)  # atomic: peers starting together never read half a file
+    write_atomic(path, text.encode("ascii"))  # peers starting together never read half a file
     return text
 
 
