@@ -155,7 +155,12 @@ def _server_parser(commands: Any) -> None:
     )
     server.add_argument(
         "--p2p-host-maddrs", nargs="+", default=None, metavar="MADDR",
-        help="where volunteer peers reach the server (default: loopback only)",
+        help="where volunteer peers and devices of p2p rounds reach the server's hivemind "
+        "peers (default: loopback only)",
+    )  # fmt: skip
+    server.add_argument(
+        "--p2p-announce-maddrs", nargs="+", default=None, metavar="MADDR",
+        help="the addresses those peers announce (behind NAT or a proxy)",
     )  # fmt: skip
     server.set_defaults(handler=_serve)
     sub = server.add_subparsers(title="server commands", metavar="SUBCOMMAND")
@@ -180,6 +185,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         volunteer_runs=tuple(VolunteerRunSpec.parse(v) for v in args.volunteer_run),
         p2p_host_maddrs=tuple(args.p2p_host_maddrs) if args.p2p_host_maddrs else None,
+        p2p_announce_maddrs=(tuple(args.p2p_announce_maddrs) if args.p2p_announce_maddrs else None),
         host=args.host,
         port=args.port,
         state_dir=args.state_dir,
@@ -225,11 +231,22 @@ def _client_parser(commands: Any) -> None:
     )
     client.add_argument("--state-dir", type=Path, default=None, help="keeps the credential")
     client.add_argument("--tls-ca", type=Path, default=None)
+    p2p = client.add_argument_group("server-less rounds (jobs with transport p2p; p2p extra)")
+    p2p.add_argument(
+        "--p2p-host-maddrs", nargs="+", default=None, metavar="MADDR",
+        help="where this device's hivemind peer listens (default: loopback only)",
+    )  # fmt: skip
+    p2p.add_argument("--p2p-announce-maddrs", nargs="+", default=None, metavar="MADDR")
+    p2p.add_argument(
+        "--p2p-client-mode", action="store_true",
+        help="accept no incoming connections (behind NAT); others must reduce for it",
+    )  # fmt: skip
     client.set_defaults(handler=_client)
 
 
 def _client(args: argparse.Namespace) -> int:
     from flotilla.client import Agent, AgentConfig, LocalTrainer
+    from flotilla.core.allreduce import PeerOptions
     from flotilla.tasks import Shard, load_task
 
     try:
@@ -244,6 +261,12 @@ def _client(args: argparse.Namespace) -> int:
         trainer=trainer,
         state_dir=args.state_dir,
         tls_ca=args.tls_ca,
+        p2p=PeerOptions(
+            host_maddrs=tuple(args.p2p_host_maddrs) if args.p2p_host_maddrs else None,
+            announce_maddrs=tuple(args.p2p_announce_maddrs) if args.p2p_announce_maddrs else None,
+            client_mode=args.p2p_client_mode,
+            identity_path=args.state_dir / "p2p-identity.key" if args.state_dir else None,
+        ),
     )
 
     async def run() -> int:

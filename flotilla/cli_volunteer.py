@@ -80,7 +80,7 @@ def _run_options(parser: argparse.ArgumentParser, required: bool) -> None:
     )  # fmt: skip
 
 
-def _stop_on_signals() -> threading.Event:
+def stop_on_signals() -> threading.Event:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -112,7 +112,7 @@ def _join(args: argparse.Namespace) -> int:
     def ready(peer: str, record: Any) -> None:
         print(f"joined run {record.run} as {peer}", file=sys.stderr, flush=True)
 
-    report = run_volunteer(options, _stop_on_signals(), ready)
+    report = run_volunteer(options, stop_on_signals(), ready)
     print(
         json.dumps(
             {
@@ -155,7 +155,7 @@ def _coordinate(args: argparse.Namespace) -> int:
             record=record,
         )
     )
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     try:
         for maddr in coordinator.start():
             print(maddr, flush=True)

@@ -15,12 +15,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from flotilla.client.channel import RETRYABLE, Backoff, DeviceCredential, open_channel
 from flotilla.client.profile import matmul_gflops, memory_bytes
 from flotilla.client.training import LocalTrainer, TrainOutcome
+from flotilla.core.allreduce import Contribution, PeerOptions
 from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
 from flotilla.core.errors import AuthError, FlotillaError
 from flotilla.core.files import write_private
@@ -33,6 +35,10 @@ from flotilla.proto.bulk import BlobPiece
 log = logging.getLogger(__name__)
 
 CREDENTIAL_FILE = "credential.json"
+#: Seconds kept after a server-less round's all-reduce for reporting and uploading.
+REPORT_MARGIN_S = 5.0
+#: How often a reporter that was not asked to upload asks again (until the round closes).
+REPORT_EVERY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +52,8 @@ class AgentConfig:
     speed_test_bytes: int = 2 * 1024 * 1024
     backoff_cap_s: float = 5.0
     max_model_bytes: int = 2**32
+    #: This device's hivemind peer, for server-less (p2p) rounds.
+    p2p: PeerOptions = field(default_factory=PeerOptions)
 
 
 class Agent:
@@ -62,6 +70,7 @@ class Agent:
         self._fetch_model: grpc.aio.UnaryStreamMultiCallable[pb.FetchModelRequest, BlobPiece]
         self._submit_update: grpc.aio.StreamUnaryMultiCallable[bytes, pb.SubmitReply]
         self._pending_profile: pb.DeviceProfile | None = None
+        self._averager: Any = None  # flotilla.p2p.UpdateAverager, made at the first p2p round
         self.rounds_done = 0
 
     @property
@@ -88,6 +97,8 @@ class Agent:
                 await self._step()
         finally:
             await self._leave()
+            if self._averager is not None:
+                await asyncio.to_thread(self._averager.shutdown)
 
     async def _connect(self) -> None:
         """Enrol (or reuse a saved credential) and measure the upload rate."""
@@ -224,18 +235,75 @@ class Agent:
         try:
             model = await self._fetch(task)
             outcome = await asyncio.to_thread(self.config.trainer.train, model, task)
-            del model  # the cache keeps it when wanted; an upload can take a while
             if not round_open.is_set():
                 log.info(
                     "round %d of %s closed while training; not uploading", task.round, task.job_id
                 )
                 return
+            if outcome.delta is not None:
+                await self._average(task, model, outcome, round_open)
+                return
+            del model  # the cache keeps it when wanted; an upload can take a while
             await self._submit(task, outcome)
         finally:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                 await beat
         self.rounds_done += 1
+
+    async def _average(
+        self,
+        task: pb.TrainTask,
+        model: memoryview,
+        outcome: TrainOutcome,
+        round_open: asyncio.Event,
+    ) -> None:
+        """A server-less round: all-reduce with the group, report the model it agreed on,
+        upload the average when asked; until the round closes, in case the server asks."""
+        from flotilla.client.training import RoundConfig
+        from flotilla.p2p.federated import UpdateAverager, agreed_model
+
+        config = RoundConfig.from_json(task.config_json)
+        assert config.p2p is not None and outcome.delta is not None and self.device_id
+        if self._averager is None:
+            self._averager = UpdateAverager(self.config.p2p)
+        me = Contribution(self.device_id, outcome.num_samples, outcome.metrics)
+        left = task.deadline_unix - time.time() - REPORT_MARGIN_S
+        log.info("round %d of %s: averaging in group %s", task.round, task.job_id, task.round_token)
+        agreed = await asyncio.to_thread(
+            self._averager.average, task.round_token, config.p2p, outcome.delta, me, left
+        )
+        sha, payload = await asyncio.to_thread(agreed_model, model, agreed, config)
+        log.info(
+            "round %d of %s: agreed model %s with %d contributors",
+            task.round, task.job_id, sha, len(agreed.contributors),
+        )  # fmt: skip
+        report = pb.AverageReport(
+            job_id=task.job_id,
+            round=task.round,
+            round_token=task.round_token,
+            model_sha256=sha,
+            group_id=agreed.group_id,
+            contributors=[
+                pb.Participation(
+                    device_id=c.device_id, num_samples=c.num_samples, metrics=c.metrics
+                )
+                for c in agreed.contributors
+            ],
+            allreduce_seconds=agreed.seconds,
+            reverted=agreed.reverted,
+        )
+        while round_open.is_set() and time.time() < task.deadline_unix:
+            reply = await self._stub.ReportAverage(
+                report, metadata=self._metadata(), timeout=self.config.timeouts.heartbeat
+            )
+            if reply.upload:
+                upload = TrainOutcome(outcome.num_samples, outcome.metrics, payload)
+                await self._submit(task, upload)
+                return
+            if not reply.round_open:
+                return
+            await asyncio.sleep(REPORT_EVERY_S)
 
     async def _heartbeat(self, round_token: str, round_open: asyncio.Event) -> None:
         while True:

@@ -23,6 +23,7 @@ from flotilla.compression import (
     encode_state_with,
     make_codec,
 )
+from flotilla.core.allreduce import GroupPlan
 from flotilla.core.blobs import sha256_hex
 from flotilla.core.errors import TaskLoadError, WireError
 from flotilla.core.spec import CompressionSection, DataSection, TrainSection, build_dataclass
@@ -42,6 +43,8 @@ class TrainOutcome:
     payload_sha256: str = ""
     #: Name of the codec that encoded ``payload``.
     codec: str = "none"
+    #: Server-less rounds: the update itself, for the all-reduce (``payload`` is empty).
+    delta: ModelState | None = None
 
     def __post_init__(self) -> None:
         if not self.payload_sha256:
@@ -57,6 +60,8 @@ class RoundConfig:
     compression: CompressionSection
     #: The model's layout; sent when the broadcast is a codec payload, which needs it.
     layout: tuple[TensorSpec, ...] | None = None
+    #: Server-less rounds: how this round's devices all-reduce their updates.
+    p2p: GroupPlan | None = None
 
     @classmethod
     def from_json(cls, text: str) -> RoundConfig:
@@ -71,11 +76,13 @@ class RoundConfig:
                 )
         except (ValueError, TypeError, AttributeError) as exc:
             raise WireError(f"{where} is malformed: {exc}") from exc
+        p2p = raw.get("p2p")
         return cls(
             build_dataclass(TrainSection, raw.get("train", {}), where, "train."),
             build_dataclass(DataSection, raw.get("data", {}), where, "data."),
             build_dataclass(CompressionSection, raw.get("compression", {}), where, "compression."),
             specs,
+            None if p2p is None else GroupPlan.from_dict(p2p),
         )
 
 
@@ -129,6 +136,9 @@ class LocalTrainer:
         delta = {name: local[name] - global_state[name] for name in global_state}
         del local, model
         delta = self._smooth(work.job_id, delta, config.train.update_momentum)
+        if config.p2p is not None:  # averaged with the group, compressed on hivemind's wire
+            metrics = {k: float(v) for k, v in metrics.items()}
+            return TrainOutcome(int(num_samples), metrics, b"", delta=delta)
         payload = self._encode(work, delta, config.compression)
         return TrainOutcome(
             int(num_samples),

@@ -15,7 +15,7 @@ Payloads are safetensors bytes (never pickle); see docs/compression.md.
 """
 
 from flotilla.compression.codec import Codec, CodecContext, Pieces
-from flotilla.compression.delta import apply_delta
+from flotilla.compression.delta import apply_average, apply_delta
 from flotilla.compression.feedback import ErrorFeedback
 from flotilla.compression.floats import Bf16Codec, Fp16Codec, NoneCodec
 from flotilla.compression.quantize import Int4Codec, Int8Codec, QsgdCodec
@@ -42,6 +42,7 @@ __all__ = [
     "QsgdCodec",
     "RandKCodec",
     "TopKCodec",
+    "apply_average",
     "apply_delta",
     "codec_from_metadata",
     "decode_state_with",

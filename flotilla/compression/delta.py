@@ -25,3 +25,16 @@ def apply_delta(base: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray])
             raise WireError(f"broadcast delta for {name!r} has shape {step.shape}")
         out[name] = (np.asarray(value, dtype=np.float32) + step).astype(value.dtype, copy=False)
     return out
+
+
+def apply_average(
+    base: Mapping[str, np.ndarray], average: Mapping[str, np.ndarray], server_lr: float = 1.0
+) -> ModelState:
+    """The next model of a server-less round: ``base + server_lr * average``.
+
+    Agents and the server both build the model with this function from the same bytes, so
+    the hash each agent reports is the hash of the checkpoint the server commits."""
+    if server_lr == 1.0:
+        return apply_delta(base, average)
+    lr = np.float32(server_lr)
+    return apply_delta(base, {k: np.asarray(v, dtype=np.float32) * lr for k, v in average.items()})

@@ -46,6 +46,7 @@ from flotilla.core.tensors import (
     encode_state,
     encode_state_parts,
     state_nbytes,
+    state_sha256,
     state_spec,
 )
 from flotilla.core.timeouts import Timeouts
@@ -86,5 +87,6 @@ __all__ = [
     "iter_chunks",
     "sha256_hex",
     "state_nbytes",
+    "state_sha256",
     "state_spec",
 ]

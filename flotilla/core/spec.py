@@ -94,6 +94,14 @@ class AggregationSection:
     #: The strategy's parameters, e.g. ``{eta = 0.01, tau = 1e-3}`` for ``fedadam``; a name
     #: the strategy does not know is an error listing the ones it does.
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: ``server``: devices upload updates and the server aggregates. ``p2p``: the round's
+    #: devices all-reduce their updates among themselves over hivemind, a quorum of them
+    #: report the new model's hash and one uploads it (docs/p2p.md; ``fedavg`` or
+    #: ``fedprox``, uplink ``none``, ``fp16`` or ``int8``; needs the ``p2p`` extra).
+    transport: str = "server"
+    #: ``p2p`` only: seconds the round's devices wait for each other before averaging
+    #: with whoever is there (at least ``job.min_quorum`` of them).
+    matchmaking_s: float = 15.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from flotilla.compression import Codec, NoneCodec
+from flotilla.core.allreduce import Contribution
 from flotilla.core.tensors import TensorSpec
 from flotilla.core.update import Update
 
@@ -34,6 +35,8 @@ class TrainTask:
     delta_base_sha256: str = ""
     delta_sha256: str = ""
     delta_size: int = 0
+    #: ``p2p``: the devices all-reduce among themselves and report (see engine.p2p_round).
+    transport: str = "server"
 
 
 def _accept_silently(reason: str | None) -> None:
@@ -65,7 +68,24 @@ class Failed:
     reason: str
 
 
-RoundResult = Delivered | Failed
+@dataclass(frozen=True, slots=True)
+class Reported:
+    """A device's account of a server-less round: the model its all-reduce group agreed on."""
+
+    device_id: str
+    #: Seconds from dispatch to the report.
+    elapsed_s: float
+    #: SHA-256 of the next model as this device built it (base + the group's average).
+    model_sha256: str
+    group_id: str
+    #: Every member of the group, as the all-reduce named them.
+    contributors: tuple[Contribution, ...]
+    allreduce_s: float = 0.0
+    #: Incomplete attempts the all-reduce reverted before the one it committed.
+    reverted: int = 0
+
+
+RoundResult = Delivered | Failed | Reported
 
 
 class Backend(Protocol):

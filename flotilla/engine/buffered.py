@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from flotilla.core.errors import UpdateRejected
 from flotilla.core.tensors import decode_state
-from flotilla.engine.backend import Failed, RoundResult
+from flotilla.engine.backend import Delivered, RoundResult
 from flotilla.engine.rounds import JobRunner, RoundTally, next_result
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,10 @@ async def run_buffered(runner: JobRunner) -> None:
                 )
             except asyncio.TimeoutError:
                 continue
-            device_id = result.device_id if isinstance(result, Failed) else result.update.device_id
+            if isinstance(result, Delivered):
+                device_id = result.update.device_id
+            else:
+                device_id = result.device_id
             training.discard(device_id)
             runner.pool.release(device_id, runner.job.id)
             staleness = runner.job.rounds_committed - version

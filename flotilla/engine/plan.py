@@ -42,6 +42,7 @@ class JobPlan:
             raise SpecError("compression.error_feedback needs a lossy compression.uplink codec")
         if comp.downlink_delta and downlink.name == "none":
             raise SpecError("compression.downlink_delta needs a lossy compression.downlink codec")
+        _check_transport(spec)
         return cls(spec, info.traits, params, uplink, None if downlink.name == "none" else downlink)
 
     def aggregator(self, layout: tuple[TensorSpec, ...], spool_dir: Path | None) -> Aggregator:
@@ -62,6 +63,41 @@ class JobPlan:
         if self.downlink is not None:  # codec payloads are decoded against the layout
             config["layout"] = [[s.name, s.dtype, list(s.shape)] for s in layout]
         return json.dumps(config, sort_keys=True)
+
+
+TRANSPORTS = ("server", "p2p")
+#: What agents can average among themselves: the weighted mean, on hivemind's wire codecs.
+P2P_STRATEGIES = ("fedavg", "fedprox")
+P2P_CODECS = ("none", "fp16", "int8")
+
+
+def _check_transport(spec: JobSpec) -> None:
+    agg, comp = spec.aggregation, spec.compression
+    if agg.transport not in TRANSPORTS:
+        raise SpecError(
+            f"aggregation.transport {agg.transport!r} is not one of {', '.join(TRANSPORTS)}"
+        )
+    if agg.matchmaking_s <= 0:
+        raise SpecError("aggregation.matchmaking_s must be positive")
+    if agg.transport != "p2p":
+        return
+    if agg.strategy not in P2P_STRATEGIES:
+        raise SpecError(
+            f'aggregation.transport = "p2p" averages on the devices: strategy must be one of '
+            f"{', '.join(P2P_STRATEGIES)}, not {agg.strategy!r}"
+        )
+    if comp.uplink not in P2P_CODECS or comp.error_feedback:
+        raise SpecError(
+            f'aggregation.transport = "p2p" compresses with hivemind: compression.uplink must '
+            f"be one of {', '.join(P2P_CODECS)}, without error_feedback"
+        )
+    if comp.downlink != "none" and not comp.downlink_delta:
+        raise SpecError(
+            'aggregation.transport = "p2p" needs the exact model on every device: '
+            "compression.downlink none, or a lossy one with downlink_delta"
+        )
+    if agg.matchmaking_s >= spec.job.round_deadline_s:
+        raise SpecError("aggregation.matchmaking_s must be shorter than job.round_deadline_s")
 
 
 def _codec(field: str, name: str, params: Mapping[str, Any]) -> Codec:

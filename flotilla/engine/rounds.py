@@ -9,7 +9,7 @@ import logging
 import math
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from flotilla.core.tensors import (
     state_spec,
 )
 from flotilla.core.update import COMPUTE_METRIC, LOSS_METRIC
-from flotilla.engine.backend import Backend, Delivered, Failed, RoundResult, TrainTask
+from flotilla.engine.backend import Backend, Delivered, Failed, Reported, RoundResult, TrainTask
 from flotilla.engine.broadcast import Broadcast, Broadcaster
 from flotilla.engine.plan import JobPlan
 from flotilla.engine.ports import Blobs, Evaluator, Ledger
@@ -57,6 +57,8 @@ class RoundTally:
     durations: dict[str, float] = field(default_factory=dict)
     #: How the arbiter decided this round's devices (recorded with its metrics).
     schedule: dict[str, float] = field(default_factory=dict)
+    #: Other numbers recorded with the round's metrics (server-less rounds' agreement).
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def outcome(self, job_id: str, round_no: int, selected: Sequence[str]) -> RoundOutcome:
         """What the scheduler learns from this round."""
@@ -98,6 +100,9 @@ class JobRunner:
     #: Shared by every job on ``pool`` so that jobs asking at once are decided jointly;
     #: a job given none gets its own.
     arbiter: Arbiter | None = None
+    #: The multiaddrs devices meet at for server-less rounds (``transport = "p2p"``);
+    #: None where the backend cannot run them.
+    rendezvous: Callable[[], Awaitable[tuple[str, ...]]] | None = None
     _plan: JobPlan = field(init=False)
     _aggregator: Aggregator = field(init=False)
     _layout: tuple[TensorSpec, ...] = field(init=False, default=())
@@ -136,8 +141,15 @@ class JobRunner:
 
                 await run_buffered(self)
             else:
+                from flotilla.engine.p2p_round import run_p2p_round
+
+                p2p = self.spec.aggregation.transport == "p2p"
                 while self.job.rounds_committed < self.job.rounds_total:
-                    committed = await self.run_round(self.job.rounds_committed + 1)
+                    next_round = self.job.rounds_committed + 1
+                    if p2p:
+                        committed = await run_p2p_round(self, next_round)
+                    else:
+                        committed = await self.run_round(next_round)
                     if not committed:
                         await asyncio.sleep(self.config.retry_pause_s)
         except PrivacyBudgetExhausted as exc:
@@ -291,7 +303,7 @@ class JobRunner:
 
     def fold(self, result: RoundResult, tally: RoundTally, staleness: int | None = None) -> bool:
         """Hand one result to the aggregator and settle it; True when it was taken."""
-        if isinstance(result, Failed):
+        if isinstance(result, Failed | Reported):  # reports belong to server-less rounds
             tally.failures.append(result.device_id)
             return False
         update = result.update
@@ -335,14 +347,26 @@ class JobRunner:
         )
 
     async def commit(
-        self, round_no: int, started: float, tally: RoundTally, rate: float | None = None
+        self,
+        round_no: int,
+        started: float,
+        tally: RoundTally,
+        rate: float | None = None,
+        model: ModelState | None = None,
+        expect_sha256: str = "",
     ) -> None:
-        """Finalize the aggregator and commit its model (and state) as ``round_no``."""
-        new_model = await asyncio.to_thread(self._aggregator.finalize)
-        metrics: dict[str, float] = dict(tally.schedule)
+        """Commit ``model`` (by default the aggregator's) and the job's state as ``round_no``;
+        with ``expect_sha256``, only if the checkpoint hashes to it (else UpdateRejected)."""
+        if model is None:
+            new_model = await asyncio.to_thread(self._aggregator.finalize)
+        else:
+            new_model = model
+        metrics: dict[str, float] = {**tally.schedule, **tally.metrics}
         if self._plan.traits.needs_sampling_rate:
             metrics["epsilon"] = self._aggregator.spend(rate)  # type: ignore[attr-defined]
         sha, agg_sha = await asyncio.to_thread(self._write_checkpoint, new_model)
+        if expect_sha256 and sha != expect_sha256:
+            raise UpdateRejected(f"checkpoint {sha[:12]} is not the agreed {expect_sha256[:12]}")
         sched_sha = await asyncio.to_thread(self.blobs.put, self._scheduling_state())
         metrics.update(await self._metrics(new_model, tally))
         del new_model

@@ -1,4 +1,4 @@
-"""Peer-to-peer training on hivemind: volunteer runs (and, later, server-less rounds).
+"""Peer-to-peer training on hivemind: volunteer runs and server-less federated rounds.
 
 - :mod:`flotilla.p2p.record` -- :class:`RunRecord`, signed by the coordinator (Ed25519).
 - :mod:`flotilla.p2p.dht` -- the run's DHT keys; records, peer metrics, run status.
@@ -6,6 +6,9 @@
 - :mod:`flotilla.p2p.swarm` -- the ``hivemind.Optimizer`` a record describes; checkpoints.
 - :mod:`flotilla.p2p.volunteer` -- join a run and train.
 - :mod:`flotilla.p2p.coordinator` -- bootstrap, publish, checkpoint and monitor a run.
+- :mod:`flotilla.p2p.averaging` -- whole-or-nothing all-reduce; members that agree bitwise.
+- :mod:`flotilla.p2p.federated` -- a device's all-reduce in a server-less federated round.
+- :mod:`flotilla.p2p.rendezvous` -- the server's rendezvous peer for those rounds.
 
 Needs the ``p2p`` extra (hivemind). See docs/p2p.md.
 """
@@ -25,11 +28,13 @@ from flotilla.p2p.dht import (
     read_status,
     start_dht,
 )
+from flotilla.p2p.federated import AgreedAverage, UpdateAverager, agreed_model
 from flotilla.p2p.record import RunRecord, RunRecordError, SignedRecord, sign_record, verify_record
 from flotilla.p2p.volunteer import VolunteerOptions, VolunteerReport, run_volunteer
 
 __all__ = [
     "COMPRESSION_NAMES",
+    "AgreedAverage",
     "Coordinator",
     "CoordinatorOptions",
     "FlotillaInt8",
@@ -38,8 +43,10 @@ __all__ = [
     "RunRecordError",
     "RunStatus",
     "SignedRecord",
+    "UpdateAverager",
     "VolunteerOptions",
     "VolunteerReport",
+    "agreed_model",
     "fetch_record",
     "hivemind_compression",
     "install_codecs",

@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,10 +35,13 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.compression import NoCompression
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import NoCompression, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer
+from hivemind.utils.asyncio import amap_in_executor
 
 VERDICT_SUFFIX = b".flotilla-verdict"
 log = logging.getLogger(__name__)
@@ -72,11 +76,25 @@ class CompleteRounds:
     _averaging_alpha: float
     _state_updated: Any
     last_updated: float
+    #: The main round's runner; AgreedAverager swaps in one whose members end identical.
+    runner_type: type[AllReduceRunner] = AllReduceRunner
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Set before the parent starts (forks) the averaging process, which uses it.
         self._reverted: list[tuple[str, str]] = []
         super().__init__(*args, **kwargs)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """hivemind ignores SIGINT in the *calling* process, for good, so that the child
+        inherits it; that also works only from the main thread. Start from any thread and
+        leave the caller's Ctrl-C alone; the child ignores SIGINT itself (``run``)."""
+        self.start()  # type: ignore[attr-defined]
+        if await_ready:
+            self.wait_until_ready(timeout)  # type: ignore[attr-defined]
+
+    def run(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+        super().run()  # type: ignore[misc]
 
     def _pop_reverted(self) -> tuple[tuple[str, str], ...]:
         reverted, self._reverted = tuple(self._reverted), []
@@ -122,10 +140,15 @@ class CompleteRounds:
             raise IncompleteAllReduce(f"all-reduce {reason}; local tensors restored")
 
     def _runner(
-        self, group_info: GroupInfo, group_id: bytes, tensors: Sequence[torch.Tensor], **kwargs: Any
+        self,
+        group_info: GroupInfo,
+        group_id: bytes,
+        tensors: Sequence[torch.Tensor],
+        runner_type: type[AllReduceRunner] = AllReduceRunner,
+        **kwargs: Any,
     ) -> AllReduceRunner:
         """A runner for one all-reduce of this group, registered so peers' parts reach it."""
-        runner = AllReduceRunner(
+        runner = runner_type(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -140,13 +163,17 @@ class CompleteRounds:
     async def _main_round(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, **kwargs: Any
     ) -> bool:
-        runner = self._runner(group_info, group_info.group_id, tensors, **kwargs)
+        runner = self._runner(group_info, group_info.group_id, tensors, self.runner_type, **kwargs)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:
                 raise ValueError("auxiliary peers receive no averaged tensors")
             return not runner.banned_senders
-        async for tensor, delta in _zip_async(tensors, runner):
-            tensor.add_(delta, alpha=self._averaging_alpha)
+        agreed = isinstance(runner, AgreedAllReduceRunner)
+        async for tensor, output in _zip_async(tensors, runner):
+            if agreed:  # outputs are the group's averages, not differences from ours
+                tensor.copy_(output)
+            else:
+                tensor.add_(output, alpha=self._averaging_alpha)
         self.last_updated = time.time()
         self._state_updated.set()
         missing = runner.tensor_part_container.failed_size
@@ -207,6 +234,81 @@ class SafeAverager(CompleteRounds, DecentralizedAverager):  # type: ignore[misc]
             reverted=self._pop_reverted(),
             seconds=seconds,
         )
+
+
+class AgreedAllReduceRunner(AllReduceRunner):  # type: ignore[misc]
+    """Butterfly all-reduce after which every member holds the same bits.
+
+    hivemind sends each sender ``average - its own part`` (compressed), so members end with
+    averages that differ in their last bits, or by a whole quantization step with a lossy
+    codec. Here each reducer encodes its averaged part once and sends those bytes to every
+    sender, itself included; outputs are the decoded averages, identical everywhere, so a
+    model built from them hashes the same on every member (what server-less federated
+    rounds agree on).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._encoded: dict[int, asyncio.Future[runtime_pb2.Tensor]] = {}
+
+    def _encoded_average(
+        self, part_index: int, averaged: torch.Tensor, wire_type: Any
+    ) -> asyncio.Future[runtime_pb2.Tensor]:
+        future = self._encoded.get(part_index)
+        if future is None:
+            loop = asyncio.get_running_loop()
+            future = loop.run_in_executor(None, serialize_torch_tensor, averaged, wire_type)
+            self._encoded[part_index] = future
+        return future
+
+    async def _communicate_with_peer(self, peer_id: Any) -> None:
+        if peer_id != self.peer_id:
+            await super()._communicate_with_peer(peer_id)  # remote parts arrive encoded
+            return
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        wire_type = self.tensor_part_container.compression.compression_type
+        for part_index, part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, part, weight=self.weight
+            )
+            encoded = await asyncio.shield(self._encoded_average(part_index, averaged, wire_type))
+            decoded = deserialize_torch_tensor(encoded)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
+
+    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
+        part_index = 0
+        try:
+            async for part, weight, wire_type in amap_in_executor(
+                lambda msg: (
+                    deserialize_torch_tensor(msg.tensor_part),
+                    msg.weight,
+                    msg.tensor_part.compression,
+                ),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, part, weight=weight
+                    )
+                except BannedException:
+                    break  # this sender was banned meanwhile; nothing more to send it
+                encoded = self._encoded_average(part_index, averaged, wire_type)
+                part_index += 1
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.AVERAGED_PART, tensor_part=await asyncio.shield(encoded)
+                )
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class AgreedAverager(SafeAverager):
+    """A :class:`SafeAverager` whose committed rounds leave every member with identical
+    tensors (see :class:`AgreedAllReduceRunner`)."""
+
+    runner_type = AgreedAllReduceRunner
 
 
 class SafeGradientAverager(CompleteRounds, GradientAverager):  # type: ignore[misc]

@@ -55,6 +55,7 @@ def start_dht(
     host_maddrs: Sequence[str] | None = None,
     client_mode: bool = False,
     identity_path: Path | None = None,
+    announce_maddrs: Sequence[str] | None = None,
 ) -> hivemind.DHT:
     """A DHT node on loopback by default. Client mode (no incoming connections) is set
     here: hivemind 1.1.12 ignores ``Optimizer(client_mode=...)`` and takes the DHT's.
@@ -63,6 +64,8 @@ def start_dht(
     if identity_path is not None:
         identity_path.parent.mkdir(parents=True, exist_ok=True)
         extra["identity_path"] = str(identity_path)
+    if announce_maddrs:  # what others dial when this peer sits behind a NAT or proxy
+        extra["announce_maddrs"] = list(announce_maddrs)
     return hivemind.DHT(
         initial_peers=list(initial_peers),
         host_maddrs=[] if client_mode else list(host_maddrs or LOOPBACK_MADDRS),

@@ -218,7 +218,7 @@ class GetJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., with_rounds: _Optional[bool] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round", "metrics", "participants", "started_at", "committed_at", "devices")
+    __slots__ = ("round", "metrics", "participants", "started_at", "committed_at", "devices", "checkpoint_sha256")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -232,13 +232,43 @@ class RoundInfo(_message.Message):
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SHA256_FIELD_NUMBER: _ClassVar[int]
     round: int
     metrics: _containers.ScalarMap[str, float]
     participants: _containers.RepeatedScalarFieldContainer[str]
     started_at: float
     committed_at: float
     devices: _containers.RepeatedCompositeFieldContainer[Participation]
-    def __init__(self, round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., participants: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[Participation, _Mapping]]] = ...) -> None: ...
+    checkpoint_sha256: str
+    def __init__(self, round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., participants: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[Participation, _Mapping]]] = ..., checkpoint_sha256: _Optional[str] = ...) -> None: ...
+
+class AverageReport(_message.Message):
+    __slots__ = ("job_id", "round", "round_token", "model_sha256", "group_id", "contributors", "allreduce_seconds", "reverted")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REVERTED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    round_token: str
+    model_sha256: str
+    group_id: str
+    contributors: _containers.RepeatedCompositeFieldContainer[Participation]
+    allreduce_seconds: float
+    reverted: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., model_sha256: _Optional[str] = ..., group_id: _Optional[str] = ..., contributors: _Optional[_Iterable[_Union[Participation, _Mapping]]] = ..., allreduce_seconds: _Optional[float] = ..., reverted: _Optional[int] = ...) -> None: ...
+
+class AverageReportReply(_message.Message):
+    __slots__ = ("upload", "round_open")
+    UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    ROUND_OPEN_FIELD_NUMBER: _ClassVar[int]
+    upload: bool
+    round_open: bool
+    def __init__(self, upload: _Optional[bool] = ..., round_open: _Optional[bool] = ...) -> None: ...
 
 class Participation(_message.Message):
     __slots__ = ("device_id", "num_samples", "metrics")

@@ -69,6 +69,11 @@ class AgentStub:
                 request_serializer=flotilla_dot_proto_dot_flotilla__pb2.UpdateChunk.SerializeToString,
                 response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.ReportAverage = channel.unary_unary(
+                '/flotilla.v1.Agent/ReportAverage',
+                request_serializer=flotilla_dot_proto_dot_flotilla__pb2.AverageReport.SerializeToString,
+                response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.AverageReportReply.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/flotilla.v1.Agent/Leave',
                 request_serializer=flotilla_dot_proto_dot_flotilla__pb2.LeaveRequest.SerializeToString,
@@ -128,6 +133,14 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportAverage(self, request, context):
+        """Server-less rounds (transport "p2p"): the model this device's all-reduce group agreed
+        on. Repeat until told to upload (then SubmitUpdate the plain average) or the round closes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -171,6 +184,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.SubmitUpdate,
                     request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.UpdateChunk.FromString,
                     response_serializer=flotilla_dot_proto_dot_flotilla__pb2.SubmitReply.SerializeToString,
+            ),
+            'ReportAverage': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportAverage,
+                    request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.AverageReport.FromString,
+                    response_serializer=flotilla_dot_proto_dot_flotilla__pb2.AverageReportReply.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -367,6 +385,33 @@ class Agent:
             '/flotilla.v1.Agent/SubmitUpdate',
             flotilla_dot_proto_dot_flotilla__pb2.UpdateChunk.SerializeToString,
             flotilla_dot_proto_dot_flotilla__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportAverage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flotilla.v1.Agent/ReportAverage',
+            flotilla_dot_proto_dot_flotilla__pb2.AverageReport.SerializeToString,
+            flotilla_dot_proto_dot_flotilla__pb2.AverageReportReply.FromString,
             options,
             channel_credentials,
             insecure,

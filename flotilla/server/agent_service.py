@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -13,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from flotilla.compression import Codec, decode_state_with, max_payload_bytes
+from flotilla.compression import Codec, NoneCodec, decode_state_with, max_payload_bytes
+from flotilla.core.allreduce import Contribution
 from flotilla.core.blobs import BlobAssembler
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, StaleRoundError, UpdateRejected, WireError
@@ -26,7 +28,7 @@ from flotilla.core.tensors import (
     read_metadata,
 )
 from flotilla.core.update import Update
-from flotilla.engine.backend import TrainTask
+from flotilla.engine.backend import Reported, TrainTask
 from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 HEADER_SLACK = 1024 * 1024
 #: Seconds past a round's deadline that an upload already under way may still finish in.
 UPLOAD_GRACE_S = 5.0
+#: Most members a server-less round's report may name.
+MAX_GROUP = 4096
 #: Header codec names that mean plain safetensors of the delta.
 PLAIN_CODECS = {"": "none", "safetensors": "none"}
 
@@ -66,6 +70,31 @@ def profile_from_pb(device_id: str, msg: pb.DeviceProfile) -> DeviceProfile:
         gflops=msg.gflops,
         memory_bytes=msg.memory_bytes,
         upload_bytes_per_s=msg.upload_bytes_per_s,
+    )
+
+
+def report_from_pb(device_id: str, msg: pb.AverageReport) -> Reported:
+    """A device's report, checked for shape (the engine checks who it names)."""
+    sha = msg.model_sha256
+    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        raise WireError("model_sha256 must be 64 lowercase hex digits")
+    if not 0 < len(msg.contributors) <= MAX_GROUP:
+        raise WireError(f"a report names 1 to {MAX_GROUP} contributors")
+    contributors = tuple(
+        Contribution.from_dict(
+            {"device_id": c.device_id, "num_samples": c.num_samples, "metrics": dict(c.metrics)}
+        )
+        for c in msg.contributors
+    )
+    seconds = msg.allreduce_seconds
+    return Reported(
+        device_id=device_id,
+        elapsed_s=0.0,
+        model_sha256=sha,
+        group_id=msg.group_id[:128],
+        contributors=contributors,
+        allreduce_s=seconds if math.isfinite(seconds) and seconds >= 0 else 0.0,
+        reverted=int(msg.reverted),
     )
 
 
@@ -283,6 +312,9 @@ class AgentService(pb_grpc.AgentServicer):
         gateway = self.server.gateway
         rnd = gateway.expect(device.id, head.job_id, head.round, head.round_token)
         codec = rnd.task.codec
+        if rnd.task.transport == "p2p":
+            gateway.expect_upload(rnd, device.id)
+            codec = NoneCodec()  # the group's exact average, as the devices applied it
         sent = PLAIN_CODECS.get(head.codec, head.codec)
         if sent != codec.name:
             raise WireError(
@@ -379,6 +411,24 @@ class AgentService(pb_grpc.AgentServicer):
     def _time_left(deadline: float) -> float:
         """Seconds an upload may still take: to the round's deadline, plus a little grace."""
         return max(1.0, deadline - time.time() + UPLOAD_GRACE_S)
+
+    async def ReportAverage(
+        self, request: pb.AverageReport, context: grpc.aio.ServicerContext
+    ) -> pb.AverageReportReply:
+        device = await self._device(context)
+        gateway = self.server.gateway
+        try:
+            rnd = gateway.expect(device.id, request.job_id, request.round, request.round_token)
+            if rnd.task.transport != "p2p":
+                raise WireError("only server-less (p2p) rounds report; this one takes uploads")
+            report = report_from_pb(device.id, request)
+            upload = gateway.report(rnd, report)
+        except StaleRoundError:
+            return pb.AverageReportReply(upload=False, round_open=False)
+        except (WireError, UpdateRejected) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.server.pool.touch(device.id)
+        return pb.AverageReportReply(upload=upload, round_open=True)
 
     async def Leave(
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext

@@ -33,6 +33,7 @@ from flotilla.server.budget import ByteBudget
 from flotilla.server.gateway import Gateway
 from flotilla.server.memory import release_free_memory
 from flotilla.server.operator_service import OperatorService
+from flotilla.server.rendezvous import Rendezvous, require_p2p
 from flotilla.server.store import Store, default_url
 from flotilla.server.volunteer_host import VolunteerHost, VolunteerRunSpec
 
@@ -62,7 +63,10 @@ class ServerConfig:
     download_chunk_bytes: int = CHUNK_BYTES
     #: Volunteer runs to coordinate (the ``p2p`` extra), and where their peers listen.
     volunteer_runs: tuple[VolunteerRunSpec, ...] = ()
+    #: Where this server's hivemind peers (volunteer coordinators, the rendezvous of
+    #: server-less rounds) listen, and the addresses they announce; loopback by default.
     p2p_host_maddrs: tuple[str, ...] | None = None
+    p2p_announce_maddrs: tuple[str, ...] | None = None
 
 
 class FederationServer:
@@ -88,6 +92,9 @@ class FederationServer:
         self._rng = random.Random()
         self.volunteers = VolunteerHost(
             config.volunteer_runs, self.state_dir / "volunteer", config.p2p_host_maddrs
+        )
+        self.rendezvous = Rendezvous(
+            self.state_dir / "rendezvous", config.p2p_host_maddrs, config.p2p_announce_maddrs
         )
 
     @property
@@ -142,6 +149,7 @@ class FederationServer:
                 await task
         await self.arbiter.close()
         await self.volunteers.stop()
+        await self.rendezvous.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
         await self.store.close()
@@ -272,6 +280,8 @@ class FederationServer:
     async def submit_job(self, spec_json: str) -> JobRecord:
         spec = JobSpec.from_json(spec_json, "submitted spec")
         validate_spec(spec)
+        if spec.aggregation.transport == "p2p":
+            require_p2p()
         self._selector(spec)  # e.g. an rl policy_file that is missing: refused now
         try:
             model_bytes = await asyncio.to_thread(initial_model, spec)
@@ -314,6 +324,7 @@ class FederationServer:
             config=self.config.engine,
             spool_dir=self.state_dir / "spool" / job.id,
             arbiter=self.arbiter,
+            rendezvous=self.rendezvous.peers,
         )
         task = asyncio.ensure_future(self._run_job(runner))
         self._runners[job.id] = task

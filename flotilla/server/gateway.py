@@ -7,13 +7,14 @@ the engine closes its result stream; an update that arrives after that is stale.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from flotilla.core.errors import StaleRoundError, UpdateRejected
+from flotilla.core.errors import StaleRoundError, UpdateRejected, WireError
 from flotilla.core.update import Update
-from flotilla.engine.backend import Delivered, Failed, RoundResult, TrainTask
+from flotilla.engine.backend import Delivered, Failed, Reported, RoundResult, TrainTask
 from flotilla.scheduling import DevicePool
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,14 @@ class OpenRound:
     results: asyncio.Queue[RoundResult] = field(default_factory=asyncio.Queue)
     #: Model bytes streamed to each device for this round.
     bytes_down: dict[str, int] = field(default_factory=dict)
+    #: Server-less rounds: each device's first report, who was asked to upload the average
+    #: of each reported model, and the models whose average has been taken.
+    reports: dict[str, Reported] = field(default_factory=dict)
+    uploaders: dict[str, str] = field(default_factory=dict)
+    uploaded: set[str] = field(default_factory=set)
+
+    def alive(self, device_id: str) -> bool:
+        return device_id in self.pending or device_id in self.awaiting
 
 
 class RoundStream:
@@ -154,6 +163,32 @@ class Gateway:
             )
         return rnd
 
+    def report(self, rnd: OpenRound, report: Reported) -> bool:
+        """Take a device's report of a server-less round (the engine sees the first one);
+        True when this device should upload its group's average now. One device per model
+        is asked; if it dies or its upload is refused, the next reporter is."""
+        device_id = report.device_id
+        first = rnd.reports.get(device_id)
+        if first is None:
+            report = dataclasses.replace(report, elapsed_s=self.clock() - rnd.started)
+            rnd.reports[device_id] = report
+            rnd.results.put_nowait(report)
+        elif first.model_sha256 != report.model_sha256:
+            raise UpdateRejected("a device reports one model per round")
+        sha = report.model_sha256
+        if sha in rnd.uploaded:
+            return False
+        holder = rnd.uploaders.get(sha)
+        if holder is None or not rnd.alive(holder):
+            rnd.uploaders[sha] = holder = device_id
+        return holder == device_id
+
+    def expect_upload(self, rnd: OpenRound, device_id: str) -> None:
+        """In a server-less round only the device asked to upload its model's average may."""
+        report = rnd.reports.get(device_id)
+        if report is None or rnd.uploaders.get(report.model_sha256) != device_id:
+            raise WireError("this round's devices report (ReportAverage); upload only when asked")
+
     async def deliver(self, rnd: OpenRound, update: Update, timeout_s: float) -> None:
         """Hand a decoded update to the engine and wait for its verdict."""
         if rnd.task.round_token not in self._rounds or update.device_id not in rnd.pending:
@@ -180,11 +215,22 @@ class Gateway:
             if not verdict.done():
                 verdict.cancel()
             rnd.awaiting.discard(update.device_id)
+        self._settle_upload(rnd, update.device_id, reason is None)
         if reason is None:
             return
         if reason.startswith("stale"):
             raise StaleRoundError(reason)
         raise UpdateRejected(reason)
+
+    @staticmethod
+    def _settle_upload(rnd: OpenRound, device_id: str, taken: bool) -> None:
+        report = rnd.reports.get(device_id)
+        if report is None:
+            return
+        if taken:
+            rnd.uploaded.add(report.model_sha256)
+        elif rnd.uploaders.get(report.model_sha256) == device_id:
+            del rnd.uploaders[report.model_sha256]  # the next reporter of it is asked
 
     def fail(self, device_id: str, reason: str) -> None:
         """A device will report nothing more to any round it owes (it left or went silent)."""

@@ -39,6 +39,7 @@ def job_info(job: JobRecord, rounds: list[RoundRecord] | None = None) -> pb.JobI
                 participants=[p.device_id for p in r.participants],
                 started_at=r.started_at,
                 committed_at=r.committed_at,
+                checkpoint_sha256=r.checkpoint_sha256,
                 devices=[
                     pb.Participation(
                         device_id=p.device_id, num_samples=p.num_samples, metrics=p.metrics

@@ -77,6 +77,7 @@ def job_json(info: pb.JobInfo, with_rounds: bool = False) -> dict[str, Any]:
                 ],
                 "started_at": r.started_at,
                 "committed_at": r.committed_at,
+                "checkpoint_sha256": r.checkpoint_sha256,
             }
             for r in info.rounds
         ]

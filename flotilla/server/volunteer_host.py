@@ -11,21 +11,13 @@ hivemind itself.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import os
-import signal
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flotilla.core.errors import FlotillaError, SpecError
-
-START_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 15.0
+from flotilla.core.errors import SpecError
+from flotilla.server.children import spawn_ready, stop_child
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,33 +61,14 @@ class VolunteerHost:
 
     async def _start_one(self, spec: VolunteerRunSpec) -> HostedRun:
         state = self._dir / spec.run
-        state.mkdir(parents=True, exist_ok=True)
-        ready = state / "coordinator.json"
-        ready.unlink(missing_ok=True)
         args = [
             "-m", "flotilla", "volunteer", "coordinate", "--run", spec.run,
             "--task", spec.task, "--state-dir", str(state),
         ]  # fmt: skip
         if self._host_maddrs:
             args += ["--host-maddrs", *self._host_maddrs]
-        log = open(state / "coordinator.log", "ab")  # noqa: SIM115 (the child owns it)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            *args,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=log,
-            start_new_session=True,
-        )
-        log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.exists():
-            if proc.returncode is not None or time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                tail = (state / "coordinator.log").read_text(errors="replace")[-2000:]
-                raise FlotillaError(f"volunteer run {spec.run!r} did not start:\n{tail}")
-            await asyncio.sleep(0.2)
-        info = json.loads(ready.read_text())
+        what = f"volunteer run {spec.run!r}"
+        proc, info = await spawn_ready(args, state, "coordinator.json", what)
         return HostedRun(spec, state, proc, list(info["maddrs"]), str(info["public_key"]))
 
     def infos(self) -> list[dict[str, Any]]:
@@ -115,12 +88,4 @@ class VolunteerHost:
 
     async def stop(self) -> None:
         for hosted in self.runs:
-            if hosted.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(hosted.proc.pid, signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(hosted.proc.wait(), STOP_TIMEOUT_S)
-                except asyncio.TimeoutError:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(hosted.proc.pid, signal.SIGKILL)
-                    await hosted.proc.wait()
+            await stop_child(hosted.proc)

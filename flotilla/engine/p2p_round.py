@@ -1,0 +1,235 @@
+"""Server-less rounds (``[aggregation] transport = "p2p"``): the devices average, the
+server only selects, checks agreement and commits.
+
+Each selected device trains, all-reduces its weighted update with the others over hivemind
+(its group is named by the round token, reached through the server's rendezvous peers),
+builds the next model and reports its SHA-256 with the group's members. The server asks
+one reporter per hash to upload the average, rebuilds the model from it with the same
+arithmetic as the devices, and commits it only when a quorum of reports name that hash.
+Updates never cross the server's uplink one by one; the round's record says who
+contributed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Collection
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from flotilla.compression import apply_average
+from flotilla.core.allreduce import GroupPlan
+from flotilla.core.errors import FlotillaError, UpdateRejected
+from flotilla.core.records import ParticipationRecord
+from flotilla.core.tensors import ModelState, decode_state, state_sha256
+from flotilla.engine.backend import Delivered, Failed, Reported, RoundResult, TrainTask
+
+if TYPE_CHECKING:
+    from flotilla.engine.rounds import JobRunner, RoundTally
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Agreed:
+    """The model a quorum of devices reported, rebuilt here from an uploaded average."""
+
+    sha256: str
+    model: ModelState
+    supporters: tuple[Reported, ...]
+
+
+@dataclass(slots=True)
+class Agreement:
+    """Reports and uploads of one round attempt, until a quorum agrees on a model."""
+
+    base: ModelState
+    quorum: int
+    selected: Collection[str]
+    server_lr: float = 1.0
+    reports: dict[str, Reported] = field(default_factory=dict)
+    models: dict[str, ModelState] = field(default_factory=dict)
+
+    def winner(self) -> Agreed | None:
+        for sha, model in self.models.items():
+            supporters = tuple(r for r in self.reports.values() if r.model_sha256 == sha)
+            if len(supporters) >= self.quorum:
+                return Agreed(sha, model, supporters)
+        return None
+
+    def problem(self, report: Reported) -> str | None:
+        """Why a report cannot count, or None."""
+        members = [c.device_id for c in report.contributors]
+        if report.device_id not in members:
+            return "a report must name its sender among the contributors"
+        if len(set(members)) != len(members):
+            return "a report names a contributor twice"
+        strangers = sorted(set(members) - set(self.selected))
+        if strangers:
+            return f"contributors {strangers} were not selected for this round"
+        return None
+
+    def rebuild(self, average: ModelState) -> tuple[str, ModelState]:
+        model = apply_average(self.base, average, self.server_lr)
+        return state_sha256(model), model
+
+    async def collect(
+        self,
+        results: AsyncIterator[RoundResult],
+        deadline: float,
+        clock: Callable[[], float],
+        tally: RoundTally,
+    ) -> Agreed | None:
+        from flotilla.engine.rounds import next_result
+
+        while (agreed := self.winner()) is None:
+            result = await next_result(results, deadline - clock())
+            if result is None:
+                return None
+            if isinstance(result, Failed):
+                tally.failures.append(result.device_id)
+            elif isinstance(result, Reported):
+                self._take_report(result, tally)
+            else:
+                await self._take_upload(result)
+            del result
+        return agreed
+
+    def _take_report(self, report: Reported, tally: RoundTally) -> None:
+        problem = self.problem(report)
+        if problem is not None:
+            log.warning("report of %s refused: %s", report.device_id, problem)
+            tally.failures.append(report.device_id)
+            return
+        self.reports[report.device_id] = report
+        tally.durations[report.device_id] = report.elapsed_s
+
+    async def _take_upload(self, result: Delivered) -> None:
+        device_id = result.update.device_id
+        if not result.wanted():
+            return
+        report = self.reports.get(device_id)
+        if report is None:
+            result.settle("report the agreed model before uploading its average")
+            return
+        try:
+            sha, model = await asyncio.to_thread(self.rebuild, result.update.delta)
+        except FlotillaError as exc:
+            result.settle(str(exc))
+            return
+        if sha != report.model_sha256:
+            result.settle(
+                f"the uploaded average rebuilds model {sha[:12]}, not the reported "
+                f"{report.model_sha256[:12]}"
+            )
+            return
+        self.models[sha] = model
+        result.settle(None)
+
+    def participation(
+        self, agreed: Agreed, job_id: str, round_no: int, now: float
+    ) -> list[ParticipationRecord]:
+        """One record per contributor the agreeing group named (all were selected)."""
+        first = agreed.supporters[0]
+        started = now - max(r.elapsed_s for r in agreed.supporters)
+        return [
+            ParticipationRecord(
+                job_id=job_id,
+                round=round_no,
+                device_id=c.device_id,
+                num_samples=c.num_samples,
+                started_at=started,
+                finished_at=now,
+                metrics=dict(c.metrics),
+            )
+            for c in first.contributors
+        ]
+
+
+def group_plan(runner: JobRunner, peers: tuple[str, ...], selected: int) -> GroupPlan:
+    spec = runner.spec
+    quorum = min(spec.job.min_quorum, selected)
+    return GroupPlan(
+        initial_peers=peers,
+        group_size=selected,
+        min_group_size=max(1, quorum),
+        matchmaking_s=spec.aggregation.matchmaking_s,
+        compression=spec.compression.uplink,
+        server_lr=float(getattr(runner._plan.strategy_params, "server_lr", 1.0)),
+    )
+
+
+def with_plan(task: TrainTask, plan: GroupPlan) -> TrainTask:
+    config = json.loads(task.config_json)
+    config["p2p"] = plan.to_dict()
+    return dataclasses.replace(
+        task, config_json=json.dumps(config, sort_keys=True), transport="p2p"
+    )
+
+
+async def run_p2p_round(runner: JobRunner, round_no: int) -> bool:
+    """One attempt at a server-less round; True when it committed."""
+    from flotilla.engine.rounds import RoundTally
+
+    if runner.rendezvous is None:
+        raise FlotillaError(
+            'aggregation.transport = "p2p" needs a server with hivemind (the p2p extra); '
+            "this backend has no rendezvous peers"
+        )
+    peers = await runner.rendezvous()
+    raw = await asyncio.to_thread(runner.blobs.get_mapped, runner.job.checkpoint_sha256)
+    base = decode_state(raw)
+    grant, rate = await runner._select()
+    selected = grant.claim()  # no await from here to the dispatch (see JobRunner.run_round)
+    if not selected:
+        return False
+    started = runner.clock()
+    plan = group_plan(runner, peers, len(selected))
+    task = with_plan(runner._task(round_no, started), plan)
+    tally = RoundTally(schedule=grant.metrics())
+    agreement = Agreement(base, plan.min_group_size, set(selected), plan.server_lr)
+    job_id = runner.job.id
+    try:
+        results = runner.backend.dispatch(task, selected)
+        async with contextlib.aclosing(results):  # type: ignore[type-var]
+            agreed = await agreement.collect(results, task.deadline, runner.clock, tally)
+    finally:
+        for device_id in tally.durations.keys() | set(tally.failures):
+            runner.pool.release(device_id, job_id)
+    if agreed is not None:
+        tally.accepted = agreement.participation(agreed, job_id, round_no, runner.clock())
+        tally.metrics.update(_agreement_metrics(agreed, agreement))
+    outcome = tally.outcome(job_id, round_no, selected)
+    runner.pool.record(outcome)
+    runner.selector.observe(outcome)
+    if agreed is None:
+        hashes = {r.model_sha256[:12] for r in agreement.reports.values()}
+        log.warning(
+            "job %s round %d: no quorum of %d agreeing reports (%d reports, models %s); retrying",
+            job_id,
+            round_no,
+            plan.min_group_size,
+            len(agreement.reports),
+            sorted(hashes),
+        )
+        return False
+    try:
+        await runner.commit(round_no, started, tally, rate, agreed.model, agreed.sha256)
+    except UpdateRejected as exc:
+        runner.refused(round_no, exc)
+        return False
+    return True
+
+
+def _agreement_metrics(agreed: Agreed, agreement: Agreement) -> dict[str, float]:
+    return {
+        "p2p_contributors": float(len(agreed.supporters[0].contributors)),
+        "p2p_reports": float(len(agreed.supporters)),
+        "p2p_models_reported": float(len({r.model_sha256 for r in agreement.reports.values()})),
+        "allreduce_s": max(r.allreduce_s for r in agreed.supporters),
+        "allreduce_reverted": float(max(r.reverted for r in agreed.supporters)),
+    }

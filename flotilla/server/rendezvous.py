@@ -1,0 +1,63 @@
+"""The rendezvous peer devices of server-less rounds meet at, started on first use."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+
+from flotilla.core.errors import FlotillaError, SpecError
+from flotilla.server.children import spawn_ready, stop_child
+
+
+def require_p2p() -> None:
+    """Refuse a ``transport = "p2p"`` job on a server without hivemind, at submission."""
+    if importlib.util.find_spec("hivemind") is None:
+        raise SpecError(
+            'aggregation.transport = "p2p" needs the p2p extra on the server '
+            "(pip install 'flotilla[p2p]')"
+        )
+
+
+class Rendezvous:
+    """A hivemind DHT node in a child process (flotilla.p2p.rendezvous), shared by every
+    server-less job; started when the first of them needs it."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        host_maddrs: Sequence[str] | None = None,
+        announce_maddrs: Sequence[str] | None = None,
+    ) -> None:
+        self._dir = state_dir
+        self._host_maddrs = host_maddrs
+        self._announce_maddrs = announce_maddrs
+        self._lock = asyncio.Lock()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._maddrs: tuple[str, ...] = ()
+
+    async def peers(self) -> tuple[str, ...]:
+        """The multiaddrs devices join at; (re)starts the peer if it is not running."""
+        async with self._lock:
+            if self._proc is None or self._proc.returncode is not None:
+                self._proc, info = await spawn_ready(
+                    self._args(), self._dir, "rendezvous.json", "the p2p rendezvous peer"
+                )
+                self._maddrs = tuple(str(m) for m in info["maddrs"])
+                if not self._maddrs:
+                    raise FlotillaError("the p2p rendezvous peer listens nowhere")
+            return self._maddrs
+
+    def _args(self) -> list[str]:
+        args = ["-m", "flotilla.p2p.rendezvous", "--state-dir", str(self._dir)]
+        if self._host_maddrs:
+            args += ["--host-maddrs", *self._host_maddrs]
+        if self._announce_maddrs:
+            args += ["--announce-maddrs", *self._announce_maddrs]
+        return args
+
+    async def stop(self) -> None:
+        if self._proc is not None:
+            await stop_child(self._proc)
+            self._proc = None
