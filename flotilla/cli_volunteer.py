@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 import threading
@@ -81,9 +82,20 @@ def _run_options(parser: argparse.ArgumentParser, required: bool) -> None:
 
 
 def stop_on_signals() -> threading.Event:
+    """An event set by SIGINT or SIGTERM in this process. Forked workers inherit the
+    handler; in them it acts as the signal's default (an event there stops nothing)."""
     stop = threading.Event()
+    owner = os.getpid()
+
+    def handle(sig: int, _frame: object) -> None:
+        if os.getpid() == owner:
+            stop.set()
+            return
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, handle)
     return stop
 
 

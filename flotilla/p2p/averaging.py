@@ -43,6 +43,8 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import amap_in_executor
 
+from flotilla.p2p.lifetime import die_with_parent
+
 VERDICT_SUFFIX = b".flotilla-verdict"
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ class CompleteRounds:
             self.wait_until_ready(timeout)  # type: ignore[attr-defined]
 
     def run(self) -> None:
+        die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
         super().run()  # type: ignore[misc]
 

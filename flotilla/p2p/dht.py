@@ -23,6 +23,7 @@ import hivemind
 from hivemind.dht.schema import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
+from flotilla.p2p.lifetime import die_with_parent
 from flotilla.p2p.record import RunRecord, RunRecordError, SignedRecord, verify_record
 
 #: Where a peer listens unless told otherwise: loopback only.
@@ -50,6 +51,14 @@ def progress_key(run: str) -> str:
     return f"{run}_progress"
 
 
+class WorkerDHT(hivemind.DHT):  # type: ignore[misc]
+    """A hivemind DHT whose worker process ends with its parent (flotilla.p2p.lifetime)."""
+
+    def run(self) -> None:
+        die_with_parent()
+        super().run()
+
+
 def start_dht(
     initial_peers: Sequence[str] = (),
     host_maddrs: Sequence[str] | None = None,
@@ -66,7 +75,7 @@ def start_dht(
         extra["identity_path"] = str(identity_path)
     if announce_maddrs:  # what others dial when this peer sits behind a NAT or proxy
         extra["announce_maddrs"] = list(announce_maddrs)
-    return hivemind.DHT(
+    return WorkerDHT(
         initial_peers=list(initial_peers),
         host_maddrs=[] if client_mode else list(host_maddrs or LOOPBACK_MADDRS),
         client_mode=client_mode,
