@@ -131,6 +131,17 @@ def _agent_calls(live: LiveServer, t: Target) -> dict[str, Callable[[Any], Any]]
             metadata=md,
             timeout=10,
         ),
+        "ReportAverage": lambda md: a.ReportAverage(
+            pb.AverageReport(
+                job_id=t.job_id,
+                round=t.task.round,
+                round_token=t.task.round_token,
+                model_sha256="ab" * 32,
+                contributors=[pb.Participation(device_id="dev-x", num_samples=1)],
+            ),
+            metadata=md,
+            timeout=10,
+        ),
     }
 
 

@@ -530,3 +530,64 @@ async def test_a_round_refused_again_and_again_fails_its_job(tmp_path: Path) -> 
             assert (await live.send_update(device, update_messages(task, huge))).accepted
         await live.wait_state(job_id, "failed")
         await live.assert_nothing_committed(job_id)
+
+
+# --- server-less (p2p) rounds ---------------------------------------------------------------
+
+
+def _average_report(task: pb.TrainTask, device_id: str, sha: str) -> pb.AverageReport:
+    return pb.AverageReport(
+        job_id=task.job_id,
+        round=task.round,
+        round_token=task.round_token,
+        model_sha256=sha,
+        group_id="g",
+        contributors=[pb.Participation(device_id=device_id, num_samples=10)],
+    )
+
+
+async def test_reports_belong_to_server_less_rounds_only(sqlite_live: LiveServer) -> None:
+    live = sqlite_live
+    device = await live.enrol()
+    job_id = await live.submit()
+    task = await live.poll_task(device)
+    report = _average_report(task, device.device_id, "ab" * 32)
+    await refused(live.agent.ReportAverage(report, metadata=device.md, timeout=10), INVALID, "p2p")
+    await live.assert_nothing_committed(job_id)
+
+
+async def test_server_less_round_refuses_bad_reports_and_unasked_uploads(
+    sqlite_live: LiveServer,
+) -> None:
+    """Over the real gRPC service and the server's real rendezvous peer: a malformed report
+    and an upload nobody asked for are refused; the honest report and upload commit."""
+    from flotilla.compression import apply_average
+    from flotilla.core.tensors import state_sha256
+
+    live = sqlite_live
+    device = await live.enrol()
+    job_id = await live.submit(
+        "aggregation.transport=p2p", "job.clients_per_round=1", "job.min_quorum=1",
+        "aggregation.matchmaking_s=2",
+    )  # fmt: skip
+    task = await live.poll_task(device, timeout=90)  # the rendezvous starts first
+    plan = json.loads(task.config_json)["p2p"]
+    assert plan["group_size"] == 1 and plan["initial_peers"]
+    model = await live.fetch(device, task)
+    average = small_delta(model)
+    sha = state_sha256(apply_average(model, average))
+    md = device.md
+
+    bad = _average_report(task, device.device_id, "not-a-hash")
+    await refused(live.agent.ReportAverage(bad, metadata=md, timeout=10), INVALID, "64")
+    upload = update_messages(task, encode_state(average))
+    await refused(live.send_update(device, upload), INVALID, "upload only when asked")
+    reply = await live.agent.ReportAverage(
+        _average_report(task, device.device_id, sha), metadata=md, timeout=10
+    )
+    assert reply.upload and reply.round_open
+    await live.send_update(device, upload)
+    await live.wait_committed(job_id, 1)
+    job = await live.get_job(job_id, with_rounds=True)
+    assert job.rounds[0].checkpoint_sha256 == sha
+    assert list(job.rounds[0].participants) == [device.device_id]

@@ -249,6 +249,9 @@ aggregation = { strategy = "fedadam", params = { eta = 0.01 } }
     twins = experiment_file(tmp_path, "[[jobs]]\n[[jobs]]\n", name="twins.toml")
     with pytest.raises(SpecError, match="names must differ"):
         load_experiment(twins)
+    p2p = experiment_file(tmp_path, '[aggregation]\ntransport = "p2p"\n', name="p2p.toml")
+    with pytest.raises(SpecError, match='transport = "server" only'):
+        load_experiment(p2p)
 
 
 # --- client data and batched training ------------------------------------------------------

@@ -261,7 +261,14 @@ class Agent:
         """A server-less round: all-reduce with the group, report the model it agreed on,
         upload the average when asked; until the round closes, in case the server asks."""
         from flotilla.client.training import RoundConfig
-        from flotilla.p2p.federated import UpdateAverager, agreed_model
+
+        try:
+            from flotilla.p2p.federated import UpdateAverager, agreed_model
+        except ImportError as exc:
+            raise FlotillaError(
+                f"job {task.job_id} averages peer to peer: this device needs the p2p extra "
+                f"(pip install 'flotilla[p2p]'): {exc}"
+            ) from exc
 
         config = RoundConfig.from_json(task.config_json)
         assert config.p2p is not None and outcome.delta is not None and self.device_id

@@ -53,6 +53,8 @@ class Agreement:
     server_lr: float = 1.0
     reports: dict[str, Reported] = field(default_factory=dict)
     models: dict[str, ModelState] = field(default_factory=dict)
+    #: Bytes of the upload each model was rebuilt from: all the server took in for it.
+    upload_bytes: dict[str, float] = field(default_factory=dict)
 
     def winner(self) -> Agreed | None:
         for sha, model in self.models.items():
@@ -128,6 +130,7 @@ class Agreement:
             )
             return
         self.models[sha] = model
+        self.upload_bytes[sha] = float(result.update.metrics.get("bytes_up", 0.0))
         result.settle(None)
 
     def participation(
@@ -232,4 +235,5 @@ def _agreement_metrics(agreed: Agreed, agreement: Agreement) -> dict[str, float]
         "p2p_models_reported": float(len({r.model_sha256 for r in agreement.reports.values()})),
         "allreduce_s": max(r.allreduce_s for r in agreed.supporters),
         "allreduce_reverted": float(max(r.reverted for r in agreed.supporters)),
+        "bytes_up": agreement.upload_bytes.get(agreed.sha256, 0.0),
     }

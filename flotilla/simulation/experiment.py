@@ -125,6 +125,12 @@ def experiment_from_dict(raw: Mapping[str, Any], source: str) -> Experiment:
             JobSpec.from_dict(_merged(data, v), f"{source} [[jobs]] #{i + 1}")
             for i, v in enumerate(variants)
         ]
+    for spec in specs:
+        if spec.aggregation.transport != "server":
+            raise SpecError(
+                f"{source}: job {spec.job.name!r}: simulation runs aggregation.transport = "
+                '"server" only (a p2p round averages the same weighted mean on the devices)'
+            )
     names = [s.job.name for s in specs]
     if len(set(names)) != len(names):
         raise SpecError(f"{source}: job names must differ, got {names}")
