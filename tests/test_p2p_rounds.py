@@ -85,11 +85,15 @@ async def test_quorum_of_reports_and_one_checked_upload_commit_the_agreed_model(
     with pytest.raises(UpdateRejected, match="one model per round"):
         gw.report(rnd, _report("b", "cd" * 32))
 
-    # An average that does not rebuild the reported model is refused; the next reporter
-    # of that model is asked instead.
+    # b's report is held, not answered "no" over and over: an average that does not
+    # rebuild the reported model is refused, and the held reporter is asked at once.
+    held = asyncio.ensure_future(gw.hold_reporter(rnd, "b", 10.0))
+    await asyncio.sleep(0.05)
+    assert not held.done()
     gw.expect_upload(rnd, "a")
     with pytest.raises(UpdateRejected, match="rebuilds model"):
         await gw.deliver(rnd, _upload("a", average + 1e-3), 5.0)
+    assert await asyncio.wait_for(held, 2.0) is True
     assert gw.report(rnd, _report("b", sha)) is True
     gw.expect_upload(rnd, "b")
     await gw.deliver(rnd, _upload("b", average), 5.0)
@@ -99,10 +103,13 @@ async def test_quorum_of_reports_and_one_checked_upload_commit_the_agreed_model(
     assert state_sha256(agreed.model) == sha
     assert {r.device_id for r in agreed.supporters} == {"a", "b"}
     assert gw.report(rnd, _report("c", sha)) is False  # taken: nobody else uploads
+    held = asyncio.ensure_future(gw.hold_reporter(rnd, "c", 10.0))
+    await stream.aclose()  # type: ignore[attr-defined]  # the round closes: c goes free
+    assert await asyncio.wait_for(held, 2.0) is False
+    assert not gw.round_open(task.round_token)
     records = agreement.participation(agreed, "job-1", 1, time.time())
     assert sorted(r.device_id for r in records) == ["a", "b", "c"]
     assert all(r.num_samples == 10 and r.metrics == {"train_loss": 0.5} for r in records)
-    await stream.aclose()  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(20)

@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 CREDENTIAL_FILE = "credential.json"
 #: Seconds kept after a server-less round's all-reduce for reporting and uploading.
 REPORT_MARGIN_S = 5.0
-#: How often a reporter that was not asked to upload asks again (until the round closes).
-REPORT_EVERY_S = 1.0
+#: Pause before a reporter the server held and did not ask to upload reports again.
+REPORT_EVERY_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,9 +300,12 @@ class Agent:
             allreduce_seconds=agreed.seconds,
             reverted=agreed.reverted,
         )
+        timeouts = self.config.timeouts
         while round_open.is_set() and time.time() < task.deadline_unix:
             reply = await self._stub.ReportAverage(
-                report, metadata=self._metadata(), timeout=self.config.timeouts.heartbeat
+                report,
+                metadata=self._metadata(),
+                timeout=timeouts.report_hold + timeouts.heartbeat,
             )
             if reply.upload:
                 upload = TrainOutcome(outcome.num_samples, outcome.metrics, payload)

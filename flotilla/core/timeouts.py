@@ -16,6 +16,9 @@ class Timeouts:
     #: Client deadline for one poll: the hold plus slack.
     poll: float = 20.0
     heartbeat: float = 5.0
+    #: How long the server holds a server-less round's report that was not asked to upload
+    #: (until the round closes or it is asked); the agent's deadline adds ``heartbeat``.
+    report_hold: float = 5.0
     #: Per-call deadline for streaming a model or an update, whatever its size.
     transfer: float = 300.0
     operator: float = 60.0

@@ -423,12 +423,16 @@ class AgentService(pb_grpc.AgentServicer):
                 raise WireError("only server-less (p2p) rounds report; this one takes uploads")
             report = report_from_pb(device.id, request)
             upload = gateway.report(rnd, report)
+            if not upload:
+                hold = self.server.config.timeouts.report_hold
+                upload = await gateway.hold_reporter(rnd, device.id, hold)
         except StaleRoundError:
             return pb.AverageReportReply(upload=False, round_open=False)
         except (WireError, UpdateRejected) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.server.pool.touch(device.id)
-        return pb.AverageReportReply(upload=upload, round_open=True)
+        open_ = gateway.round_open(request.round_token)
+        return pb.AverageReportReply(upload=upload, round_open=open_)
 
     async def Leave(
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext

@@ -36,9 +36,16 @@ class OpenRound:
     reports: dict[str, Reported] = field(default_factory=dict)
     uploaders: dict[str, str] = field(default_factory=dict)
     uploaded: set[str] = field(default_factory=set)
+    #: Set (and replaced) when held reporters should look again: the round closed or an
+    #: uploader dropped out.
+    news: asyncio.Event = field(default_factory=asyncio.Event)
 
     def alive(self, device_id: str) -> bool:
         return device_id in self.pending or device_id in self.awaiting
+
+    def announce(self) -> None:
+        news, self.news = self.news, asyncio.Event()
+        news.set()
 
 
 class RoundStream:
@@ -87,6 +94,7 @@ class Gateway:
         if self._rounds.get(rnd.task.round_token) is not rnd:
             return
         del self._rounds[rnd.task.round_token]
+        rnd.announce()
         while not rnd.results.empty():
             result = rnd.results.get_nowait()
             if isinstance(result, Delivered):
@@ -175,13 +183,35 @@ class Gateway:
             rnd.results.put_nowait(report)
         elif first.model_sha256 != report.model_sha256:
             raise UpdateRejected("a device reports one model per round")
-        sha = report.model_sha256
+        return self._upload_turn(rnd, device_id)
+
+    @staticmethod
+    def _upload_turn(rnd: OpenRound, device_id: str) -> bool:
+        sha = rnd.reports[device_id].model_sha256
         if sha in rnd.uploaded:
             return False
         holder = rnd.uploaders.get(sha)
         if holder is None or not rnd.alive(holder):
             rnd.uploaders[sha] = holder = device_id
         return holder == device_id
+
+    async def hold_reporter(self, rnd: OpenRound, device_id: str, hold_s: float) -> bool:
+        """Keep a reporter that was not asked to upload until it is (its model's uploader
+        dropped out), the round closes, or ``hold_s`` passes; True when it should upload.
+        Held instead of polled, so the round's devices are free the moment it commits."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + hold_s
+        while self.round_open(rnd.task.round_token):
+            if self._upload_turn(rnd, device_id):
+                return True
+            left = end - loop.time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(rnd.news.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return False
 
     def expect_upload(self, rnd: OpenRound, device_id: str) -> None:
         """In a server-less round only the device asked to upload its model's average may."""
@@ -231,6 +261,7 @@ class Gateway:
             rnd.uploaded.add(report.model_sha256)
         elif rnd.uploaders.get(report.model_sha256) == device_id:
             del rnd.uploaders[report.model_sha256]  # the next reporter of it is asked
+            rnd.announce()
 
     def fail(self, device_id: str, reason: str) -> None:
         """A device will report nothing more to any round it owes (it left or went silent)."""
@@ -241,6 +272,7 @@ class Gateway:
                 # Nothing of it waits to be folded, so it is free now. (A silent device
                 # whose update is already queued stays its job's until that job lets go.)
                 self.pool.release(device_id, rnd.task.job_id)
+                rnd.announce()  # it may have been asked to upload a model
         self._offers.pop(device_id, None)
 
     def reap(self, liveness_s: float) -> list[str]:
