@@ -8,8 +8,9 @@ and through flotilla's ``SafeAverager`` (whole-or-nothing rounds: snapshot, all-
 verdict round), with compression none / fp16 / int8 (both sides use the same compression;
 int8 is flotilla's, since hivemind's own 8-bit decoders fail under NumPy 2). Raw and
 flotilla rounds alternate in the same processes, so they see the same machine; each is
-timed over the aggregation phase (matchmaking excluded) as its slowest peer saw it, and
-the median over rounds is reported with the ratio flotilla / raw.
+timed over the aggregation phase (matchmaking excluded) as the group's wall-clock span,
+from the first member starting it to the last one done, and the median over rounds is
+reported with the ratio flotilla / raw.
 
 (b) Global samples/s of a char-LM volunteer run (``flotilla volunteer coordinate`` plus 1,
 2 and 4 ``flotilla volunteer`` processes), read from the run's status in the DHT.
@@ -21,6 +22,7 @@ peer count without compression. Stdout carries one JSON object; a summary goes t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -39,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEER = Path(__file__).resolve().parent / "p2p_peer.py"
 TASK = "flotilla.tasks.charlm:CharLMTask"
 OVERHEAD_LIMIT = 1.10
+LOG_DIR = Path(tempfile.gettempdir()) / "flotilla-bench-p2p-logs"
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ def allreduce(plan: Plan, peers: int, compression: str, maddr: str) -> dict[str,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            # Kept for a post-mortem: a peer that hangs says why here.
+            stderr=open(LOG_DIR / f"{tag}-{rank}.err", "w"),  # noqa: SIM115
         )
         for rank in range(peers)
     ]
@@ -113,7 +117,12 @@ def allreduce(plan: Plan, peers: int, compression: str, maddr: str) -> dict[str,
                 if failed:
                     errors.extend(failed)
                     continue
-                times[kind].append(max(x["seconds"] for x in results))
+                # The group's span: from its first member starting to its last finishing.
+                # (Per member durations would favour raw hivemind, whose members finish
+                # at different times, over flotilla's, which finish together.)
+                times[kind].append(
+                    max(x["ended"] for x in results) - min(x["began"] for x in results)
+                )
     finally:
         _kill(procs)
     raw = statistics.median(times["raw"]) if times["raw"] else None
@@ -198,10 +207,24 @@ def volunteer_run(plan: Plan, volunteers: int, workdir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1M floats, 2-4 peers, short runs")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per configuration")
+    parser.add_argument(
+        "--compressions", nargs="+", default=None, choices=("none", "fp16", "int8"),
+        help="only these compressions (the floor is on none)",
+    )  # fmt: skip
+    parser.add_argument("--no-volunteers", action="store_true", help="skip part (b)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    plan = dataclasses.replace(
+        plan,
+        rounds=args.rounds or plan.rounds,
+        compressions=tuple(args.compressions or plan.compressions),
+        volunteers=() if args.no_volunteers else plan.volunteers,
+    )
     from flotilla.p2p import start_dht
 
+    LOG_DIR.mkdir(exist_ok=True)
+    print(f"p2p: peer logs in {LOG_DIR}", file=sys.stderr)
     boot = start_dht()
     maddr = str(boot.get_visible_maddrs()[0])
     rows = []

@@ -1,6 +1,7 @@
 """One peer of benchmarks/p2p.py: on each stdin line ``KIND ROUND``, all-reduce a seeded
 tensor through raw hivemind (``raw``) or flotilla's SafeAverager (``flotilla``) and print
-one JSON line with the all-reduce's seconds (matchmaking excluded). ``ready`` when started."""
+one JSON line with when its aggregation phase began and ended (wall clock, so the
+benchmark can take the group's span; matchmaking excluded). ``ready`` when started."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 
 
-class TimedAverager(DecentralizedAverager):  # type: ignore[misc]
-    """Raw hivemind, timed the way SafeAverager times itself (the aggregation phase)."""
+class Timed:
+    """Mixin: record the wall-clock span of the aggregation phase, the same for both kinds."""
 
     async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kw: Any) -> Any:
-        began = time.perf_counter()
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kw)
-        return {"seconds": time.perf_counter() - began, "size": len(gathered)}
+        began = time.time()
+        result = await super()._aggregate_with_group(group_info, min_vector_size, **kw)  # type: ignore[misc]
+        # Sent back to the caller's process with the result (the averager runs in its own).
+        return {"began": began, "ended": time.time(), "result": result}
 
 
 def main() -> int:
@@ -36,13 +38,19 @@ def main() -> int:
     from flotilla.p2p import hivemind_compression, start_dht
     from flotilla.p2p.averaging import SafeAverager
 
+    class TimedRaw(Timed, DecentralizedAverager):  # type: ignore[misc]
+        pass
+
+    class TimedSafe(Timed, SafeAverager):  # type: ignore[misc]
+        pass
+
     dht = start_dht(args.initial_peers)
     compression = hivemind_compression(args.compression)
     print("ready", flush=True)
     for line in sys.stdin:
         kind, round_ = line.split()
         tensor = torch.randn(args.size, generator=torch.Generator().manual_seed(args.rank))
-        cls = SafeAverager if kind == "flotilla" else TimedAverager
+        cls = TimedSafe if kind == "flotilla" else TimedRaw
         averager = cls(
             [tensor],
             dht,
@@ -61,11 +69,12 @@ def main() -> int:
         out: dict[str, Any] = {"rank": args.rank, "kind": kind}
         try:
             got = averager.step(timeout=180.0)
+            result = got["result"]
+            out.update(began=got["began"], ended=got["ended"])
             if kind == "flotilla":
-                out.update(seconds=got.seconds, group=len(got.contributors),
-                           reverted=len(got.reverted))  # fmt: skip
+                out.update(group=len(result.contributors), reverted=len(result.reverted))
             else:
-                out.update(seconds=got["seconds"], group=got["size"], reverted=0)
+                out.update(group=len(result), reverted=0)
         except Exception as exc:
             out.update(error=f"{type(exc).__name__}: {exc}"[:200])
         averager.shutdown()

@@ -5,18 +5,18 @@ whose reducer died keeps the local values (``Averaging: received 70% results``, 
 and a reducer that bans a dead sender averages the rest of its span without it, so one
 tensor can mix several contributor sets. :class:`SafeAverager` runs each round as:
 
-1. snapshot the local tensors, then hivemind's butterfly all-reduce;
+1. hivemind's butterfly all-reduce, its outputs held back rather than applied;
 2. a local verdict: clean when no part came back missing and this peer's reducer banned
    no sender;
 3. a second, tiny all-reduce in the same group of one slot per sender, each writing 1 in
    its own slot when its verdict is clean; a dead peer leaves its slot 0, a dead verdict
    reducer fails the round for everyone;
-4. commit only when every slot is non-zero; otherwise restore the snapshot and raise, so
+4. apply the outputs only when every slot is non-zero; otherwise drop them and raise, so
    hivemind retries with whoever is left until the step's deadline.
 
-Cancellation (a timeout) also restores the snapshot, and a caller of :meth:`SafeAverager.step`
-never waits past its timeout. A committed step returns a :class:`RoundResult`: who
-contributed, and the attempts reverted before it.
+Cancellation (a timeout) leaves the local tensors untouched too, and a caller of
+:meth:`SafeAverager.step` never waits past its timeout. A committed step returns a
+:class:`RoundResult`: who contributed, and the attempts reverted before it.
 """
 
 from __future__ import annotations
@@ -123,24 +123,22 @@ class CompleteRounds:
         if group_id is not None:  # a verdict round or a subclass's extra phase
             await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)  # type: ignore[misc]
             return
-        snapshot = [t.detach().clone() for t in tensors]
         senders = _sender_ids(group_info)
         try:
-            clean = await self._main_round(tensors, group_info, **kwargs)
+            outputs, clean = await self._main_round(tensors, group_info, **kwargs)
             slots = await self._verdict_round(group_info, senders, clean, **kwargs)
         except BaseException as exc:
-            self._restore(tensors, snapshot)
             self._reverted.append((group_info.group_id.hex(), f"{type(exc).__name__}: {exc}"))
             if isinstance(exc, Exception) and not isinstance(exc, AllreduceException):
                 raise IncompleteAllReduce(f"all-reduce failed and was reverted: {exc}") from exc
             raise
         if not bool((slots > 0).all()):
-            self._restore(tensors, snapshot)
             missing = [str(p) for p, v in zip(senders, slots.tolist(), strict=True) if v <= 0]
             reason = f"incomplete: peers {missing} did not finish cleanly"
             self._reverted.append((group_info.group_id.hex(), reason))
             log.warning("all-reduce %s reverted: %s", group_info.group_id.hex(), reason)
-            raise IncompleteAllReduce(f"all-reduce {reason}; local tensors restored")
+            raise IncompleteAllReduce(f"all-reduce {reason}; local tensors left as they were")
+        self._apply(tensors, outputs)
 
     def _runner(
         self,
@@ -165,22 +163,31 @@ class CompleteRounds:
 
     async def _main_round(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, **kwargs: Any
-    ) -> bool:
+    ) -> tuple[list[torch.Tensor], bool]:
+        """hivemind's all-reduce, its outputs held back (not applied) until the verdict;
+        and whether it was clean here."""
         runner = self._runner(group_info, group_info.group_id, tensors, self.runner_type, **kwargs)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:
                 raise ValueError("auxiliary peers receive no averaged tensors")
-            return not runner.banned_senders
-        agreed = isinstance(runner, AgreedAllReduceRunner)
-        async for tensor, output in _zip_async(tensors, runner):
-            if agreed:  # outputs are the group's averages, not differences from ours
-                tensor.copy_(output)
-            else:
-                tensor.add_(output, alpha=self._averaging_alpha)
+            return [], not runner.banned_senders
+        outputs = [output async for output in runner]
+        missing = runner.tensor_part_container.failed_size
+        return outputs, missing == 0 and not runner.banned_senders and len(outputs) == len(tensors)
+
+    def _apply(self, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        """Commit a round: the group's averages (agreed runners) or our deltas to them."""
+        if not outputs:
+            return  # an auxiliary peer holds no averaged tensors
+        agreed = issubclass(self.runner_type, AgreedAllReduceRunner)
+        with torch.no_grad():
+            for tensor, output in zip(tensors, outputs, strict=True):
+                if agreed:
+                    tensor.copy_(output.reshape(tensor.shape))
+                else:
+                    tensor.add_(output.reshape(tensor.shape), alpha=self._averaging_alpha)
         self.last_updated = time.time()
         self._state_updated.set()
-        missing = runner.tensor_part_container.failed_size
-        return missing == 0 and not runner.banned_senders
 
     async def _verdict_round(
         self, group_info: GroupInfo, senders: list[Any], clean: bool, **kwargs: Any
@@ -197,13 +204,6 @@ class CompleteRounds:
         if runner.tensor_part_container.failed_size or runner.banned_senders:
             slots.zero_()  # the verdict itself is incomplete: nobody may commit on it
         return slots
-
-    @staticmethod
-    def _restore(tensors: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for tensor, saved in zip(tensors, snapshot, strict=True):
-                tensor.copy_(saved)
-
 
 class SafeAverager(CompleteRounds, DecentralizedAverager):  # type: ignore[misc]
     """A ``DecentralizedAverager`` with whole-or-nothing rounds; ``step`` returns a
@@ -328,10 +328,3 @@ def _sender_ids(group_info: GroupInfo) -> list[Any]:
     """The group's peers that contribute tensors (all but auxiliaries), in group order."""
     modes = (AveragingMode(MSGPackSerializer.loads(g)[1]) for g in group_info.gathered)
     return [p for p, m in zip(group_info.peer_ids, modes, strict=True) if m != AveragingMode.AUX]
-
-
-async def _zip_async(tensors: Sequence[torch.Tensor], runner: AllReduceRunner) -> Any:
-    index = 0
-    async for delta in runner:
-        yield tensors[index], delta
-        index += 1
