@@ -205,6 +205,7 @@ class CompleteRounds:
             slots.zero_()  # the verdict itself is incomplete: nobody may commit on it
         return slots
 
+
 class SafeAverager(CompleteRounds, DecentralizedAverager):  # type: ignore[misc]
     """A ``DecentralizedAverager`` with whole-or-nothing rounds; ``step`` returns a
     :class:`RoundResult` and never keeps a waiting caller past its timeout."""
