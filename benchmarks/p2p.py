@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import select
 import signal
 import statistics
 import subprocess
@@ -41,6 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PEER = Path(__file__).resolve().parent / "p2p_peer.py"
 TASK = "flotilla.tasks.charlm:CharLMTask"
 OVERHEAD_LIMIT = 1.10
+#: A peer answers each step within its own 180 s step timeout plus its averager's shutdown.
+ROUND_TIMEOUT_S = 240.0
+READY_TIMEOUT_S = 120.0
 LOG_DIR = Path(tempfile.gettempdir()) / "flotilla-bench-p2p-logs"
 
 
@@ -69,6 +73,15 @@ def _kill(procs: list[subprocess.Popen[str]]) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def _line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """The peer's next stdout line, or TimeoutError: a peer never holds the run up."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    if not ready:
+        raise TimeoutError(f"peer {proc.pid} said nothing for {timeout_s:.0f} s")
+    return proc.stdout.readline().strip()
 
 
 def allreduce(plan: Plan, peers: int, compression: str, maddr: str) -> dict[str, Any]:
@@ -101,18 +114,23 @@ def allreduce(plan: Plan, peers: int, compression: str, maddr: str) -> dict[str,
     errors: list[str] = []
     try:
         for proc in procs:
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            assert _line(proc, READY_TIMEOUT_S) == "ready"
+        hung = False
         for r in range(plan.rounds):
+            if hung:
+                break
             # Alternate which goes first, so neither always meets a warmer machine.
             for kind in ("raw", "flotilla") if r % 2 == 0 else ("flotilla", "raw"):
                 for proc in procs:
                     assert proc.stdin is not None
                     proc.stdin.write(f"{kind} {r}\n")
                     proc.stdin.flush()
-                results = []
-                for proc in procs:
-                    assert proc.stdout is not None
-                    results.append(json.loads(proc.stdout.readline()))
+                try:
+                    results = [json.loads(_line(proc, ROUND_TIMEOUT_S)) for proc in procs]
+                except TimeoutError as exc:  # a hung peer: this configuration is over
+                    errors.append(f"round {r} ({kind}): {exc}; peer logs in {LOG_DIR}")
+                    hung = True
+                    break
                 failed = [x["error"] for x in results if "error" in x]
                 if failed:
                     errors.extend(failed)
