@@ -8,8 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import signal
 import sys
 import threading
 import time
@@ -81,24 +79,6 @@ def _run_options(parser: argparse.ArgumentParser, required: bool) -> None:
     )  # fmt: skip
 
 
-def stop_on_signals() -> threading.Event:
-    """An event set by SIGINT or SIGTERM in this process. Forked workers inherit the
-    handler; in them it acts as the signal's default (an event there stops nothing)."""
-    stop = threading.Event()
-    owner = os.getpid()
-
-    def handle(sig: int, _frame: object) -> None:
-        if os.getpid() == owner:
-            stop.set()
-            return
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handle)
-    return stop
-
-
 def _join(args: argparse.Namespace) -> int:
     missing = [f"--{n}" for n in ("run", "task") if not getattr(args, n)]
     if not args.initial_peers:
@@ -107,6 +87,7 @@ def _join(args: argparse.Namespace) -> int:
         print(f"error: flotilla volunteer needs {', '.join(missing)}", file=sys.stderr)
         return 2
     from flotilla.p2p import VolunteerOptions, run_volunteer
+    from flotilla.p2p.lifetime import stop_on_signals
 
     options = VolunteerOptions(
         run=args.run,
@@ -144,6 +125,7 @@ def _join(args: argparse.Namespace) -> int:
 
 def _coordinate(args: argparse.Namespace) -> int:
     from flotilla.p2p import Coordinator, CoordinatorOptions
+    from flotilla.p2p.lifetime import stop_on_signals
 
     state_dir = args.state_dir or Path.cwd() / f"flotilla-run-{args.run}"
     record = {

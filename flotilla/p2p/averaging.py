@@ -215,7 +215,8 @@ class SafeAverager(CompleteRounds, DecentralizedAverager):  # type: ignore[misc]
     ) -> Any:
         """hivemind's step, but a waiting caller never waits past ``timeout``: hivemind
         checks its deadline only between attempts, so one late attempt can overrun it.
-        On expiry the step is cancelled (the tensors are restored) and TimeoutError raised."""
+        On expiry the step is cancelled (the tensors stay as they were) and TimeoutError
+        raised."""
         control = super().step(*args, timeout=timeout, wait=False, **kwargs)
         if not wait:
             return control

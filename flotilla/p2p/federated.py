@@ -9,7 +9,6 @@ SHA-256. The server commits the model only when a quorum of reports agree on it.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +19,6 @@ import torch
 from flotilla.core.allreduce import Contribution, GroupPlan, PeerOptions
 from flotilla.core.errors import FlotillaError
 from flotilla.core.tensors import ModelState
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,8 @@ hivemind forks a process for each DHT node and averager. A forked worker inherit
 parent's Python signal handlers, which swallow SIGTERM there (they set an event nobody in
 the child waits on), and nothing ends it when its parent is killed with kill -9: such
 workers lived on, holding ports, after a crash. Every worker flotilla starts calls
-:func:`die_with_parent` first.
+:func:`die_with_parent` first, and the processes that start them stop on
+:func:`stop_on_signals`, whose handler acts only in the process that installed it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 
 #: linux/prctl.h
 PR_SET_PDEATHSIG = 1
@@ -28,3 +30,21 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGINT or SIGTERM in this process. Forked workers inherit the
+    handler; in them it acts as the signal's default (an event there stops nothing)."""
+    stop = threading.Event()
+    owner = os.getpid()
+
+    def handle(sig: int, _frame: object) -> None:
+        if os.getpid() == owner:
+            stop.set()
+            return
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
+    return stop
