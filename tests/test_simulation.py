@@ -669,3 +669,18 @@ def test_task_parameters_send_batched_training_to_the_task_s_own_loop() -> None:
         for name in a.delta:
             np.testing.assert_array_equal(a.delta[name], b.delta[name])
     assert batched._loop is not None, "the loop ran, not the vectorized recipe"
+
+
+@pytest.mark.parametrize("scenario", ["unrelated", "related"])
+def test_the_scheduling_study_runs_its_three_jobs(scenario: str, tmp_path: Path) -> None:
+    """The study's scenario files as benchmarks/scheduling.py runs them (fewer rounds and
+    devices): every job, the char LM included, trains and reports its target metric."""
+    path = ROOT / "examples" / "scheduling" / f"{scenario}.toml"
+    overrides = ["job.rounds=2", "population.clients=120", "scheduling.selector=greedy"]
+    summary = run_experiment(load_experiment(path, overrides), tmp_path / "out", progress=False)
+    assert {name: j["state"] for name, j in summary["jobs"].items()} == {
+        "wide": "completed",
+        "epochs": "completed",
+        "charlm": "completed",
+    }
+    assert 0.0 < summary["jobs"]["charlm"]["final_metrics"]["bits_per_char"] < 8.0
