@@ -276,9 +276,8 @@ class Agent:
             self._averager = UpdateAverager(self.config.p2p)
         me = Contribution(self.device_id, outcome.num_samples, outcome.metrics)
         left = task.deadline_unix - time.time() - REPORT_MARGIN_S
-        log.info(
-            "round %d of %s: averaging in group %s...", task.round, task.job_id, task.round_token[:8]
-        )
+        token = task.round_token[:8]  # the group key is a secret: log only its start
+        log.info("round %d of %s: averaging in group %s...", task.round, task.job_id, token)
         agreed = await asyncio.to_thread(
             self._averager.average, task.round_token, config.p2p, outcome.delta, me, left
         )
