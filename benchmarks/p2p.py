@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         "--compressions", nargs="+", default=None, choices=("none", "fp16", "int8"),
         help="only these compressions (the floor is on none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--peers", nargs="+", type=int, default=None, help="only these group sizes, e.g. 8"
+    )
     parser.add_argument("--no-volunteers", action="store_true", help="skip part (b)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
@@ -237,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         plan,
         rounds=args.rounds or plan.rounds,
         compressions=tuple(args.compressions or plan.compressions),
+        peers=tuple(args.peers or plan.peers),
         volunteers=() if args.no_volunteers else plan.volunteers,
     )
     from flotilla.p2p import start_dht
