@@ -15,6 +15,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
 
 from flotilla.core.errors import WireError
 from flotilla.p2p import (
@@ -236,3 +237,21 @@ def test_malformed_peer_records_are_skipped_not_trusted(
     assert read_metrics(reader, "m") == [good]  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="epoch_losses"):
         PeerMetrics("p", 1, 1, 1, 1.0, 1.0, {"x": 1.0})
+
+
+@pytest.mark.timeout(60)
+def test_the_dht_worker_survives_a_request_it_cannot_read() -> None:
+    """An averager that exits before the DHT worker reads its request leaves a request whose
+    pipe cannot be rebuilt; hivemind's worker died of that, and every later averager of the
+    process then waited on it for good (seen as agents going silent mid-job)."""
+    from flotilla.p2p import start_dht
+
+    dht = start_dht()
+    try:
+        dht._outer_pipe.send_bytes(b"\x80\x05not a pickle")  # what the worker cannot read
+        assert dht.store("key", "value", expiration_time=get_dht_time() + 60)
+        found = dht.get("key", latest=True)
+        assert found is not None and found.value == "value"
+        assert dht.is_alive()
+    finally:
+        dht.shutdown()

@@ -197,6 +197,77 @@ def test_group_members_end_with_identical_bits_under_int8() -> None:
     assert names == ["dev-0", "dev-1", "dev-2"]
 
 
+@pytest.mark.timeout(150)
+def test_a_peer_the_server_did_not_name_cannot_join_the_group(tmp_path: Path) -> None:
+    """The plan names each selected device's peer id; a peer holding the group key but not
+    named (a device that passed its round token on) contributes nothing."""
+    from flotilla.core.allreduce import PeerOptions
+    from flotilla.core.peer_id import ensure_identity
+    from flotilla.p2p import UpdateAverager, start_dht
+    from flotilla.p2p.dht import visible_maddrs
+
+    rendezvous = start_dht()
+    keys = [tmp_path / f"peer{i}.key" for i in range(4)]
+    members = {ensure_identity(keys[i]): f"dev-{i}" for i in range(3)}
+    ensure_identity(keys[3])
+    plan = GroupPlan(tuple(visible_maddrs(rendezvous)), 3, 3, matchmaking_s=8.0, members=members)
+    deltas = [{"w": np.full(1000, float(i), dtype=np.float32)} for i in range(4)]
+    averagers = [UpdateAverager(PeerOptions(identity_path=k)) for k in keys]
+    results: dict[int, object] = {}
+
+    def peer(i: int) -> None:
+        try:
+            me = Contribution(f"dev-{i}", 10)
+            wait = 20.0 if i == 3 else 45.0
+            results[i] = averagers[i].average("group-key", plan, deltas[i], me, wait)
+        except Exception as exc:  # recorded, so the assertion shows it
+            results[i] = exc
+
+    stranger = threading.Thread(target=peer, args=(3,))
+    stranger.start()  # first in, so it is there when the members look for a group
+    time.sleep(1.0)
+    threads = [threading.Thread(target=peer, args=(i,)) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in [*threads, stranger]:
+            t.join(100)
+    finally:
+        for a in averagers:
+            a.shutdown()
+        rendezvous.shutdown()
+    for i in range(3):
+        out = results[i]
+        assert not isinstance(out, Exception), out
+        assert [c.device_id for c in out.contributors] == ["dev-0", "dev-1", "dev-2"]  # type: ignore[attr-defined]
+        assert np.allclose(out.delta["w"], 1.0)  # type: ignore[attr-defined]
+    assert isinstance(results[3], Exception), "the stranger must find no group"
+
+
+def test_members_check_peer_ids_and_the_device_ids_they_gather() -> None:
+    from hivemind.averaging.group_info import GroupInfo
+    from hivemind.p2p import PeerID
+    from hivemind.utils import MSGPackSerializer as msgpack
+
+    from flotilla.p2p.averaging import StrangerInGroup, check_members
+
+    a, b = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"), PeerID(b"x" * 34)
+
+    def gathered(device: object) -> bytes:
+        return msgpack.dumps([1.0, 0, msgpack.dumps({"device_id": device, "num_samples": 1})])
+
+    group = GroupInfo(b"g", (a, b), (gathered("dev-a"), gathered("dev-b")))
+    named = {a.to_base58(): "dev-a", b.to_base58(): "dev-b"}
+    check_members(group, named)  # every peer named, each its own device
+    with pytest.raises(StrangerInGroup, match="not one the server selected"):
+        check_members(group, {a.to_base58(): "dev-a"})
+    with pytest.raises(StrangerInGroup, match="claims to be another device"):
+        check_members(group, {a.to_base58(): "dev-a", b.to_base58(): "dev-c"})
+    posing = GroupInfo(b"g", (a, b), (gathered("dev-a"), b"\xc1junk"))
+    with pytest.raises(StrangerInGroup, match="malformed"):
+        check_members(posing, named)
+
+
 def _agreed_hashes(logs: Path) -> dict[int, list[str]]:
     found: dict[int, list[str]] = {}
     for path in logs.glob("agent-*.log"):
@@ -273,6 +344,10 @@ def test_p2p_digits_job_commits_the_models_agents_agreed_on_despite_a_kill(
 def test_group_plan_round_trips_and_refuses_nonsense() -> None:
     plan = GroupPlan(("/ip4/127.0.0.1/tcp/1/p2p/Qm",), 5, 3, 4.0, "int8", server_lr=0.5)
     assert GroupPlan.from_dict(plan.to_dict()) == plan
+    named = dataclasses.replace(plan, members={"QmPeer": "dev-1"})
+    assert GroupPlan.from_dict(named.to_dict()) == named
+    with pytest.raises(WireError):
+        GroupPlan.from_dict({**plan.to_dict(), "members": {"QmPeer": 7}})
     with pytest.raises(WireError):
         GroupPlan.from_dict({**plan.to_dict(), "min_group_size": 9})
     with pytest.raises(WireError):

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import importlib.util
 import json
 import logging
 import random
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -71,6 +74,9 @@ class Agent:
         self._submit_update: grpc.aio.StreamUnaryMultiCallable[bytes, pb.SubmitReply]
         self._pending_profile: pb.DeviceProfile | None = None
         self._averager: Any = None  # flotilla.p2p.UpdateAverager, made at the first p2p round
+        self._p2p = config.p2p
+        self._peer_id = ""
+        self._identity_dir: tempfile.TemporaryDirectory[str] | None = None
         self.rounds_done = 0
 
     @property
@@ -99,11 +105,14 @@ class Agent:
             await self._leave()
             if self._averager is not None:
                 await asyncio.to_thread(self._averager.shutdown)
+            if self._identity_dir is not None:
+                self._identity_dir.cleanup()
 
     async def _connect(self) -> None:
         """Enrol (or reuse a saved credential) and measure the upload rate."""
         self._credential = self._load_credential()
         profile = await asyncio.to_thread(self._profile)
+        self._peer_id = await asyncio.to_thread(self._p2p_identity)
         while self._credential is None:
             try:
                 self._credential = await self._enrol(profile)
@@ -114,6 +123,20 @@ class Agent:
         self._backoff.reset()
         profile.upload_bytes_per_s = await self._speed_test()
         self._pending_profile = profile
+
+    def _p2p_identity(self) -> str:
+        """This device's hivemind peer id, made before its peer starts so the server can name
+        it among a round's members; "" without the p2p extra (such a device never averages)."""
+        if self._peer_id or importlib.util.find_spec("hivemind") is None:
+            return self._peer_id
+        from flotilla.core.peer_id import ensure_identity
+
+        path = self.config.p2p.identity_path
+        if path is None:  # no state dir: an identity for this run of the agent
+            self._identity_dir = tempfile.TemporaryDirectory(prefix="flotilla-p2p-")
+            path = Path(self._identity_dir.name) / "p2p-identity.key"
+        self._p2p = dataclasses.replace(self.config.p2p, identity_path=path)
+        return ensure_identity(path)
 
     def _profile(self) -> pb.DeviceProfile:
         return pb.DeviceProfile(
@@ -217,7 +240,7 @@ class Agent:
             (self.config.state_dir / CREDENTIAL_FILE).unlink(missing_ok=True)
 
     async def _poll(self) -> pb.TrainTask | None:
-        request = pb.PollRequest()
+        request = pb.PollRequest(p2p_peer_id=self._peer_id)
         if self._pending_profile is not None:
             request.profile.CopyFrom(self._pending_profile)
         reply = await self._stub.Poll(
@@ -273,7 +296,7 @@ class Agent:
         config = RoundConfig.from_json(task.config_json)
         assert config.p2p is not None and outcome.delta is not None and self.device_id
         if self._averager is None:
-            self._averager = UpdateAverager(self.config.p2p)
+            self._averager = UpdateAverager(self._p2p)
         me = Contribution(self.device_id, outcome.num_samples, outcome.metrics)
         left = task.deadline_unix - time.time() - REPORT_MARGIN_S
         token = task.round_token[:8]  # the group key is a secret: log only its start

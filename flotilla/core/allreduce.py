@@ -16,6 +16,9 @@ from typing import Any
 
 from flotilla.core.errors import WireError
 
+#: Most members a group plan may name (a round selects far fewer devices).
+MAX_MEMBERS = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class GroupPlan:
@@ -36,6 +39,9 @@ class GroupPlan:
     chunk_timeout_s: float = 5.0
     #: The next model is ``base + server_lr * average`` (flotilla.compression.apply_average).
     server_lr: float = 1.0
+    #: hivemind peer id (base58) -> device id of the selected devices. When set, members
+    #: refuse any other peer, and any peer claiming another device's id, in their group.
+    members: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> GroupPlan:
@@ -48,6 +54,7 @@ class GroupPlan:
                 compression=str(raw.get("compression", "none")),
                 chunk_timeout_s=float(raw.get("chunk_timeout_s", 5.0)),
                 server_lr=float(raw.get("server_lr", 1.0)),
+                members=_members(raw.get("members", {})),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError(f"task config p2p section is malformed: {exc}") from exc
@@ -64,7 +71,16 @@ class GroupPlan:
             "compression": self.compression,
             "chunk_timeout_s": self.chunk_timeout_s,
             "server_lr": self.server_lr,
+            "members": dict(self.members),
         }
+
+
+def _members(raw: Any) -> dict[str, str]:
+    if not isinstance(raw, dict) or len(raw) > MAX_MEMBERS:
+        raise ValueError(f"members must be a mapping of at most {MAX_MEMBERS} peers")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+        raise ValueError("members must map peer ids to device ids (strings)")
+    return dict(raw)
 
 
 @dataclass(frozen=True, slots=True)

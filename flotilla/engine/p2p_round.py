@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -153,16 +153,17 @@ class Agreement:
         ]
 
 
-def group_plan(runner: JobRunner, peers: tuple[str, ...], selected: int) -> GroupPlan:
+def group_plan(runner: JobRunner, peers: tuple[str, ...], selected: Sequence[str]) -> GroupPlan:
     spec = runner.spec
-    quorum = min(spec.job.min_quorum, selected)
+    quorum = min(spec.job.min_quorum, len(selected))
     return GroupPlan(
         initial_peers=peers,
-        group_size=selected,
+        group_size=len(selected),
         min_group_size=max(1, quorum),
         matchmaking_s=spec.aggregation.matchmaking_s,
         compression=spec.compression.uplink,
         server_lr=float(getattr(runner._plan.strategy_params, "server_lr", 1.0)),
+        members=runner.p2p_members(selected) if runner.p2p_members else {},
     )
 
 
@@ -191,7 +192,7 @@ async def run_p2p_round(runner: JobRunner, round_no: int) -> bool:
     if not selected:
         return False
     started = runner.clock()
-    plan = group_plan(runner, peers, len(selected))
+    plan = group_plan(runner, peers, selected)
     task = with_plan(runner._task(round_no, started), plan)
     tally = RoundTally(schedule=grant.metrics())
     agreement = Agreement(base, plan.min_group_size, set(selected), plan.server_lr)

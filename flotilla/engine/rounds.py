@@ -9,7 +9,7 @@ import logging
 import math
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,6 +103,9 @@ class JobRunner:
     #: The multiaddrs devices meet at for server-less rounds (``transport = "p2p"``);
     #: None where the backend cannot run them.
     rendezvous: Callable[[], Awaitable[tuple[str, ...]]] | None = None
+    #: Peer id -> device id of those of the given devices whose peers the backend knows:
+    #: the members a server-less round's group admits (none: no membership check).
+    p2p_members: Callable[[Iterable[str]], Mapping[str, str]] | None = None
     _plan: JobPlan = field(init=False)
     _aggregator: Aggregator = field(init=False)
     _layout: tuple[TensorSpec, ...] = field(init=False, default=())

@@ -27,7 +27,8 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Iterator, Sequence
+import typing
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -309,11 +310,56 @@ class AgreedAllReduceRunner(AllReduceRunner):  # type: ignore[misc]
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
+class StrangerInGroup(AllreduceException):  # type: ignore[misc]
+    """A group held a peer the server did not name, or one posing as another device."""
+
+
 class AgreedAverager(SafeAverager):
     """A :class:`SafeAverager` whose committed rounds leave every member with identical
-    tensors (see :class:`AgreedAllReduceRunner`)."""
+    tensors (see :class:`AgreedAllReduceRunner`).
+
+    With ``members`` (peer id -> device id, from the server), only those peers take part:
+    a leader refuses anyone else's join request, and every member checks the assembled
+    group (libp2p authenticates peer ids) and what each peer gathered as its device id
+    before any tensor moves; a group with a stranger is abandoned and matchmaking retried.
+    """
 
     runner_type = AgreedAllReduceRunner
+
+    def __init__(self, *args: Any, members: Mapping[str, str] | None = None, **kwargs: Any):
+        # Set before the parent starts (forks) the averaging process, which checks it.
+        self._members = dict(members or {})
+        super().__init__(*args, **kwargs)
+
+    async def rpc_join_group(  # hivemind reads typing.AsyncIterator, not the abc's, as a stream
+        self, request: averaging_pb2.JoinRequest, context: Any
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self._members and context.remote_id.to_base58() not in self._members:
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for reply in super().rpc_join_group(request, context):
+            yield reply
+
+    async def _aggregate_with_group(
+        self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any
+    ) -> RoundResult:
+        if self._members:
+            check_members(group_info, self._members)
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+
+def check_members(group_info: GroupInfo, members: Mapping[str, str]) -> None:
+    """Raise StrangerInGroup unless every peer is named and gathered its own device id."""
+    for peer, raw in zip(group_info.peer_ids, group_info.gathered, strict=True):
+        device = members.get(peer.to_base58())
+        if device is None:
+            raise StrangerInGroup(f"peer {peer} is not one the server selected")
+        try:
+            claimed = MSGPackSerializer.loads(MSGPackSerializer.loads(raw)[2])
+        except Exception as exc:
+            raise StrangerInGroup(f"peer {peer} gathered malformed data: {exc}") from exc
+        if not isinstance(claimed, dict) or claimed.get("device_id") != device:
+            raise StrangerInGroup(f"peer {peer} of device {device} claims to be another device")
 
 
 class SafeGradientAverager(CompleteRounds, GradientAverager):  # type: ignore[misc]

@@ -13,9 +13,11 @@ Stable, versioned keys (docs/p2p.md), next to the ones hivemind itself uses for 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,6 +34,8 @@ RECORD_TTL_S = 120.0
 METRICS_TTL_S = 60.0
 DHT_TIMEOUT_S = 30.0
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 def record_key(run: str) -> str:
@@ -52,11 +56,52 @@ def progress_key(run: str) -> str:
 
 
 class WorkerDHT(hivemind.DHT):  # type: ignore[misc]
-    """A hivemind DHT whose worker process ends with its parent (flotilla.p2p.lifetime)."""
+    """A hivemind DHT whose worker process ends with its parent (flotilla.p2p.lifetime) and
+    survives requests it cannot read (:class:`RequestPipe`)."""
+
+    _inner_pipe: Any
 
     def run(self) -> None:
         die_with_parent()
+        self._inner_pipe = RequestPipe(self._inner_pipe)
         super().run()
+
+    async def _skip(self) -> None:
+        """What :class:`RequestPipe` hands hivemind's loop in place of an unreadable request."""
+
+
+class RequestPipe:
+    """The DHT worker's end of its request pipe, for hivemind's serving loop.
+
+    Averager processes (forked from the DHT's owner) send the worker requests carrying a
+    pipe of theirs, which the worker rebuilds through the sender's multiprocessing
+    resource sharer. When the averager has exited before the worker reads the request (a
+    round's averager shut down), rebuilding it fails with FileNotFoundError or EOFError;
+    hivemind 1.1.12 skips the first but dies of the second, leaving every later averager
+    of the process waiting on a dead DHT. A request that cannot be read becomes a
+    warning and a no-op here (hivemind would also pause its loop for seconds on an error);
+    a closed pipe still ends the worker.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def fileno(self) -> int:
+        return int(self._conn.fileno())
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return bool(self._conn.poll(timeout))
+
+    def recv(self) -> Any:
+        data = self._conn.recv_bytes()  # EOFError here: the pipe itself is closed
+        try:
+            return ForkingPickler.loads(data)
+        except Exception as exc:
+            log.warning("DHT worker skipped a request it could not read: %r", exc)
+            return "_skip", [], {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
 
 
 def start_dht(

@@ -92,6 +92,7 @@ class UpdateAverager:
             reducer_timeout=2 * chunk,
             next_chunk_timeout=chunk,
             compression=hivemind_compression(plan.compression),
+            members=plan.members,
             start=True,
         )
         try:

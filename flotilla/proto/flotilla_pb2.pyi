@@ -53,10 +53,12 @@ class SpeedReply(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PollRequest(_message.Message):
-    __slots__ = ("profile",)
+    __slots__ = ("profile", "p2p_peer_id")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    P2P_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     profile: DeviceProfile
-    def __init__(self, profile: _Optional[_Union[DeviceProfile, _Mapping]] = ...) -> None: ...
+    p2p_peer_id: str
+    def __init__(self, profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., p2p_peer_id: _Optional[str] = ...) -> None: ...
 
 class TrainTask(_message.Message):
     __slots__ = ("job_id", "round", "round_token", "task", "config_json", "model_sha256", "model_size", "deadline_unix", "seed", "delta_base_sha256", "delta_sha256", "delta_size")

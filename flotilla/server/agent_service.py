@@ -229,6 +229,11 @@ class AgentService(pb_grpc.AgentServicer):
     ) -> pb.PollReply:
         device = await self._device(context)
         profile = request.profile if request.HasField("profile") else None
+        if request.p2p_peer_id:
+            try:
+                self.server.rendezvous.peer_seen(device.id, request.p2p_peer_id)
+            except WireError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await self.server.device_seen(device, profile)
         timeouts = self.server.config.timeouts
         # A held poll is a live device: hold it for less than the liveness window, so the

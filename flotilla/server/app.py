@@ -325,6 +325,7 @@ class FederationServer:
             spool_dir=self.state_dir / "spool" / job.id,
             arbiter=self.arbiter,
             rendezvous=self.rendezvous.peers,
+            p2p_members=self.rendezvous.members,
         )
         task = asyncio.ensure_future(self._run_job(runner))
         self._runners[job.id] = task

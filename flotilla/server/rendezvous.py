@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from flotilla.core.errors import FlotillaError, SpecError
+from flotilla.core.errors import FlotillaError, SpecError, WireError
 from flotilla.server.children import spawn_ready, stop_child
+
+#: A libp2p peer id as base58 text (RSA ids are 46 characters, Ed25519 ones 52).
+PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
 
 
 def require_p2p() -> None:
@@ -36,6 +40,19 @@ class Rendezvous:
         self._lock = asyncio.Lock()
         self._proc: asyncio.subprocess.Process | None = None
         self._maddrs: tuple[str, ...] = ()
+        #: Device id -> the hivemind peer id its agent announced (with every poll).
+        self._peer_ids: dict[str, str] = {}
+
+    def peer_seen(self, device_id: str, peer_id: str) -> None:
+        """Remember an authenticated device's peer id; WireError if it is not one."""
+        if not PEER_ID.fullmatch(peer_id):
+            raise WireError(f"p2p_peer_id {peer_id[:140]!r} is not a base58 peer id")
+        self._peer_ids[device_id] = peer_id
+
+    def members(self, device_ids: Iterable[str]) -> dict[str, str]:
+        """Peer id -> device id for the devices that announced a peer; a round's group
+        plan names these, and members refuse every other peer."""
+        return {self._peer_ids[d]: d for d in device_ids if d in self._peer_ids}
 
     async def peers(self) -> tuple[str, ...]:
         """The multiaddrs devices join at; (re)starts the peer if it is not running."""

@@ -1,0 +1,93 @@
+"""hivemind (libp2p) peer identities, made and read without importing hivemind.
+
+An agent tells the server its peer id before its hivemind peer ever starts, so the server
+can name each round's members in its group plan; importing hivemind would cost every agent
+a second and 250 MB, though most never average peer to peer. The key file is the one
+hivemind writes itself (``P2P.generate_identity``), so a peer started with
+``identity_path`` has exactly this id: a libp2p ``PrivateKey`` protobuf around an RSA key in
+PKCS#1 DER. The id is the base58 multihash (SHA-256) of the ``PublicKey`` protobuf, as
+libp2p's peer-id spec says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+RSA_BITS = 2048
+_RSA = 0  # libp2p KeyType.RSA
+_SHA2_256 = b"\x12\x20"  # multihash code and digest length
+_BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+def ensure_identity(path: Path) -> str:
+    """The peer id of the key at ``path``, creating the key first when there is none."""
+    if not path.exists():
+        key = rsa.generate_private_key(public_exponent=65537, key_size=RSA_BITS)
+        der = key.private_bytes(
+            serialization.Encoding.DER,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # owner-only from birth
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(_key_message(der))
+        tmp.replace(path)
+    return peer_id(path.read_bytes())
+
+
+def peer_id(identity: bytes) -> str:
+    """Base58 peer id of a libp2p RSA ``PrivateKey`` message; ValueError if it is not one."""
+    key = serialization.load_der_private_key(_key_data(identity), password=None)
+    if not isinstance(key, rsa.RSAPrivateKey):
+        raise ValueError("the identity is not an RSA key")
+    public = key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return _base58(_SHA2_256 + hashlib.sha256(_key_message(public)).digest())
+
+
+def _key_message(data: bytes) -> bytes:
+    """``{key_type: RSA, data}`` as libp2p's proto2 messages encode it (type always written)."""
+    return bytes([0x08, _RSA, 0x12]) + _varint(len(data)) + data
+
+
+def _key_data(message: bytes) -> bytes:
+    if message[:3] != bytes([0x08, _RSA, 0x12]):
+        raise ValueError("the identity is not a libp2p RSA private key")
+    length, start = 0, 3
+    for shift in range(0, 35, 7):
+        if start >= len(message):
+            break
+        byte = message[start]
+        start += 1
+        length |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            if start + length != len(message):
+                raise ValueError("the identity's key has the wrong length")
+            return message[start:]
+    raise ValueError("the identity is truncated")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _base58(data: bytes) -> str:
+    n = int.from_bytes(data, "big")
+    out = ""
+    while n:
+        n, rem = divmod(n, 58)
+        out = _BASE58[rem] + out
+    return "1" * (len(data) - len(data.lstrip(b"\0"))) + out
