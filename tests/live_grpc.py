@@ -265,10 +265,13 @@ class LiveServer:
 
     # --- the agent protocol --------------------------------------------------------------
 
-    async def poll_task(self, device: Device, timeout: float = 20.0) -> pb.TrainTask:
+    async def poll_task(
+        self, device: Device, timeout: float = 20.0, p2p_peer_id: str = ""
+    ) -> pb.TrainTask:
         deadline = time.monotonic() + timeout
+        request = pb.PollRequest(p2p_peer_id=p2p_peer_id)
         while time.monotonic() < deadline:
-            reply = await self.agent.Poll(pb.PollRequest(), metadata=device.md, timeout=30)
+            reply = await self.agent.Poll(request, metadata=device.md, timeout=30)
             if reply.HasField("task"):
                 return reply.task
         raise AssertionError(f"{device.device_id} was never given a task")

@@ -570,9 +570,13 @@ async def test_server_less_round_refuses_bad_reports_and_unasked_uploads(
         "aggregation.transport=p2p", "job.clients_per_round=1", "job.min_quorum=1",
         "aggregation.matchmaking_s=2",
     )  # fmt: skip
-    task = await live.poll_task(device, timeout=90)  # the rendezvous starts first
+    bad_peer = pb.PollRequest(p2p_peer_id="not/a peer id")
+    await refused(live.agent.Poll(bad_peer, metadata=device.md, timeout=30), INVALID, "peer id")
+    peer_id = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    task = await live.poll_task(device, timeout=90, p2p_peer_id=peer_id)  # rendezvous first
     plan = json.loads(task.config_json)["p2p"]
     assert plan["group_size"] == 1 and plan["initial_peers"]
+    assert plan["members"] == {peer_id: device.device_id}  # only this peer may join
     model = await live.fetch(device, task)
     average = small_delta(model)
     sha = state_sha256(apply_average(model, average))

@@ -7,6 +7,7 @@ import base64
 import dataclasses
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import hivemind
 import numpy as np
@@ -253,5 +254,31 @@ def test_the_dht_worker_survives_a_request_it_cannot_read() -> None:
         found = dht.get("key", latest=True)
         assert found is not None and found.value == "value"
         assert dht.is_alive()
+    finally:
+        dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_peer_ids_made_without_hivemind_are_the_ones_hivemind_peers_get(tmp_path: Path) -> None:
+    """Agents name their peer id to the server before their peer starts, without importing
+    hivemind; a peer started on that key must have exactly that id."""
+    from hivemind.p2p import P2P, PeerID
+
+    from flotilla.core.peer_id import ensure_identity, peer_id
+    from flotilla.p2p import start_dht
+
+    key = tmp_path / "identity.key"
+    made = ensure_identity(key)
+    assert ensure_identity(key) == made  # kept, not remade
+    assert key.stat().st_mode & 0o077 == 0  # a private key: owner only
+    assert PeerID.from_identity(key.read_bytes()).to_base58() == made
+    theirs = tmp_path / "hivemind.key"
+    P2P.generate_identity(str(theirs))
+    assert peer_id(theirs.read_bytes()) == PeerID.from_identity(theirs.read_bytes()).to_base58()
+    with pytest.raises(ValueError):
+        peer_id(b"\x08\x01\x12\x40" + bytes(64))  # an Ed25519 key: not what agents make
+    dht = start_dht(identity_path=key)
+    try:
+        assert dht.peer_id.to_base58() == made
     finally:
         dht.shutdown()
