@@ -4,13 +4,13 @@ volunteer run trains.
 
 (a) All-reduce of float32 tensors (10M; ``--quick``: 1M) across 2, 4 and 8 local peers
 (separate processes, 127.0.0.1), through raw ``hivemind.averaging.DecentralizedAverager``
-and through flotilla's ``SafeAverager`` (whole-or-nothing rounds: snapshot, all-reduce,
-verdict round), with compression none / fp16 / int8 (both sides use the same compression;
-int8 is flotilla's, since hivemind's own 8-bit decoders fail under NumPy 2). Raw and
-flotilla rounds alternate in the same processes, so they see the same machine; each is
-timed over the aggregation phase (matchmaking excluded) as the group's wall-clock span,
-from the first member starting it to the last one done, and the median over rounds is
-reported with the ratio flotilla / raw.
+and through flotilla's ``SafeAverager`` (whole-or-nothing rounds: the all-reduce with its
+outputs held back, then a verdict round), with compression none / fp16 / int8 (both sides
+use the same compression; int8 is flotilla's, since hivemind's own 8-bit decoders fail under
+NumPy 2). Raw and flotilla rounds alternate in the same processes, so they see the same
+machine; each is timed over the aggregation phase (matchmaking excluded) as the group's
+wall-clock span, from the first member starting it to the last one done, and the median over
+rounds is reported with the ratio flotilla / raw.
 
 (b) Global samples/s of a char-LM volunteer run (``flotilla volunteer coordinate`` plus 1,
 2 and 4 ``flotilla volunteer`` processes), read from the run's status in the DHT.
