@@ -244,6 +244,22 @@ def test_a_peer_the_server_did_not_name_cannot_join_the_group(tmp_path: Path) ->
     assert isinstance(results[3], Exception), "the stranger must find no group"
 
 
+def test_group_plans_name_the_peers_devices_announced_and_no_clashing_one(
+    tmp_path: Path,
+) -> None:
+    from flotilla.server.rendezvous import Rendezvous
+
+    rendezvous = Rendezvous(tmp_path)  # its peer process starts only when asked for
+    p, q = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "Qm" + "a" * 44
+    for device, peer in (("a", p), ("b", p), ("c", q)):
+        rendezvous.peer_seen(device, peer)
+    assert rendezvous.members(["c", "d"]) == {q: "c"}  # d announced no peer
+    assert rendezvous.members(["a", "c"]) == {p: "a", q: "c"}
+    assert rendezvous.members(["a", "b", "c"]) == {q: "c"}  # p claimed twice: neither
+    with pytest.raises(WireError, match="peer id"):
+        rendezvous.peer_seen("e", "not a peer id")
+
+
 def test_members_check_peer_ids_and_the_device_ids_they_gather() -> None:
     from hivemind.averaging.group_info import GroupInfo
     from hivemind.p2p import PeerID

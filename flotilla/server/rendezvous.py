@@ -51,8 +51,18 @@ class Rendezvous:
 
     def members(self, device_ids: Iterable[str]) -> dict[str, str]:
         """Peer id -> device id for the devices that announced a peer; a round's group
-        plan names these, and members refuse every other peer."""
-        return {self._peer_ids[d]: d for d in device_ids if d in self._peer_ids}
+        plan names these, and members refuse every other peer. A peer id two of them
+        announced is left out: libp2p lets only one of them hold it, and the server cannot
+        tell which."""
+        named: dict[str, str] = {}
+        clashes: set[str] = set()
+        for device_id in device_ids:
+            peer = self._peer_ids.get(device_id)
+            if peer is not None:
+                if peer in named:
+                    clashes.add(peer)
+                named[peer] = device_id
+        return {peer: d for peer, d in named.items() if peer not in clashes}
 
     async def peers(self) -> tuple[str, ...]:
         """The multiaddrs devices join at; (re)starts the peer if it is not running."""
