@@ -264,7 +264,7 @@ def test_peer_ids_made_without_hivemind_are_the_ones_hivemind_peers_get(tmp_path
     hivemind; a peer started on that key must have exactly that id."""
     from hivemind.p2p import P2P, PeerID
 
-    from flotilla.core.peer_id import ensure_identity, peer_id
+    from flotilla.client.peer_id import ensure_identity, peer_id
     from flotilla.p2p import start_dht
 
     key = tmp_path / "identity.key"

@@ -201,8 +201,8 @@ def test_group_members_end_with_identical_bits_under_int8() -> None:
 def test_a_peer_the_server_did_not_name_cannot_join_the_group(tmp_path: Path) -> None:
     """The plan names each selected device's peer id; a peer holding the group key but not
     named (a device that passed its round token on) contributes nothing."""
+    from flotilla.client.peer_id import ensure_identity
     from flotilla.core.allreduce import PeerOptions
-    from flotilla.core.peer_id import ensure_identity
     from flotilla.p2p import UpdateAverager, start_dht
     from flotilla.p2p.dht import visible_maddrs
 

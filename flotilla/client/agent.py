@@ -129,7 +129,7 @@ class Agent:
         it among a round's members; "" without the p2p extra (such a device never averages)."""
         if self._peer_id or importlib.util.find_spec("hivemind") is None:
             return self._peer_id
-        from flotilla.core.peer_id import ensure_identity
+        from flotilla.client.peer_id import ensure_identity
 
         path = self.config.p2p.identity_path
         if path is None:  # no state dir: an identity for this run of the agent

@@ -86,12 +86,6 @@ class RequestPipe:
     def __init__(self, conn: Any) -> None:
         self._conn = conn
 
-    def fileno(self) -> int:
-        return int(self._conn.fileno())
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return bool(self._conn.poll(timeout))
-
     def recv(self) -> Any:
         data = self._conn.recv_bytes()  # EOFError here: the pipe itself is closed
         try:
@@ -100,7 +94,7 @@ class RequestPipe:
             log.warning("DHT worker skipped a request it could not read: %r", exc)
             return "_skip", [], {}
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # fileno, poll: the connection's own
         return getattr(self._conn, name)
 
 

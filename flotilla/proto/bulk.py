@@ -96,7 +96,7 @@ def _bytes_value(raw: bytes, view: memoryview, span: _Span) -> memoryview:
     return view[span.value : span.end]
 
 
-def _split(raw: bytes, payload_field: int) -> tuple[memoryview | None, bytes]:
+def split_bytes_field(raw: bytes, payload_field: int) -> tuple[memoryview | None, bytes]:
     """(view of the payload field's last occurrence, the message without it).
 
     The rest holds only small fields and is parsed by protobuf; the payload, a view into
@@ -133,7 +133,7 @@ class BlobPiece:
 
 
 def read_blob_chunk(raw: bytes) -> BlobPiece:
-    data, rest = _split(raw, _BLOB_DATA)
+    data, rest = split_bytes_field(raw, _BLOB_DATA)
     try:
         small = pb.BlobChunk.FromString(rest)
     except Exception as exc:  # protobuf's DecodeError
@@ -185,6 +185,7 @@ __all__ = [
     "frame_bytes_field",
     "read_blob_chunk",
     "read_update_chunk",
+    "split_bytes_field",
     "update_data",
     "update_header",
 ]

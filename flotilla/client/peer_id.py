@@ -18,8 +18,11 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from flotilla.proto.bulk import frame_bytes_field, split_bytes_field
+
 RSA_BITS = 2048
-_RSA = 0  # libp2p KeyType.RSA
+_RSA_TYPE = b"\x08\x00"  # field 1 (key_type) = KeyType.RSA
+_DATA = 2  # field 2: the key's bytes
 _SHA2_256 = b"\x12\x20"  # multihash code and digest length
 _BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
@@ -55,33 +58,14 @@ def peer_id(identity: bytes) -> str:
 
 def _key_message(data: bytes) -> bytes:
     """``{key_type: RSA, data}`` as libp2p's proto2 messages encode it (type always written)."""
-    return bytes([0x08, _RSA, 0x12]) + _varint(len(data)) + data
+    return frame_bytes_field(_DATA, data, before=_RSA_TYPE)
 
 
 def _key_data(message: bytes) -> bytes:
-    if message[:3] != bytes([0x08, _RSA, 0x12]):
+    data, rest = split_bytes_field(message, _DATA)
+    if data is None or rest != _RSA_TYPE:
         raise ValueError("the identity is not a libp2p RSA private key")
-    length, start = 0, 3
-    for shift in range(0, 35, 7):
-        if start >= len(message):
-            break
-        byte = message[start]
-        start += 1
-        length |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            if start + length != len(message):
-                raise ValueError("the identity's key has the wrong length")
-            return message[start:]
-    raise ValueError("the identity is truncated")
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
+    return bytes(data)
 
 
 def _base58(data: bytes) -> str:
