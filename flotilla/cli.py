@@ -211,7 +211,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _token_create(args: argparse.Namespace) -> int:
-    from flotilla.server.tokens import create_enrol_token
+    from flotilla.server.federation.tokens import create_enrol_token
 
     print(asyncio.run(create_enrol_token(args.state_dir, args.db)))
     return 0

@@ -69,8 +69,8 @@ def stop_agents(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -
 async def _federate(state: Path, agents: int, rounds: int, jobs: int, quiet: bool) -> list[dict]:
     from tqdm import tqdm
 
-    from flotilla.server import auth
     from flotilla.server.app import FederationServer, ServerConfig
+    from flotilla.server.federation import auth
     from flotilla.server.process import single_threaded_blas
 
     single_threaded_blas()  # this process is the demo's server

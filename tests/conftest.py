@@ -169,7 +169,7 @@ class AgentFleet:
 def _wipe_postgres(url: str) -> None:
     import asyncio
 
-    from flotilla.server.store import Store
+    from flotilla.server.federation.store import Store
 
     async def wipe() -> None:
         store = await Store.open(url)

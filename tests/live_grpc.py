@@ -31,10 +31,10 @@ from flotilla.engine import EngineConfig
 from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
-from flotilla.server import auth
 from flotilla.server.app import FederationServer, ServerConfig
-from flotilla.server.schema import Base
-from flotilla.server.store import Store, async_url
+from flotilla.server.federation import auth
+from flotilla.server.federation.schema import Base
+from flotilla.server.federation.store import Store, async_url
 
 DIGITS = "flotilla.tasks.digits:DigitsTask"
 SPEC = Path(__file__).resolve().parent.parent / "examples" / "digits.toml"

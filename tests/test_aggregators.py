@@ -18,14 +18,13 @@ from flotilla.aggregation import (
     DPFedAvg,
     FedBuff,
     FedBuffParams,
-    PrivacyBudgetExhausted,
     RobustAggregator,
     SpoolLimits,
     make_aggregator,
     strategy_info,
 )
 from flotilla.aggregation import robust as robust_mod
-from flotilla.core.errors import SpecError, UpdateRejected
+from flotilla.core.errors import BudgetExhausted, SpecError, UpdateRejected
 from flotilla.core.tensors import ModelState, decode_state, encode_state, state_spec
 
 ROBUST = ("median", "trimmed_mean", "krum", "multikrum", "centered_clipping")
@@ -625,7 +624,7 @@ def test_epsilon_matches_dp_accounting_and_the_budget_holds(tmp_path: Path) -> N
     while True:
         try:
             budget.check_budget(0.2)
-        except PrivacyBudgetExhausted as exc:
+        except BudgetExhausted as exc:
             assert "over the budget of 3.5" in str(exc)
             break
         _round(budget, model, _deltas(model, rng, 2), [1.0, 1.0], spent + 1, q=0.2)
@@ -642,7 +641,7 @@ def test_epsilon_matches_dp_accounting_and_the_budget_holds(tmp_path: Path) -> N
     assert isinstance(restarted, DPFedAvg)
     restarted.restore(decode_state(encode_state(budget.state())))
     assert restarted.epsilon == budget.epsilon
-    with pytest.raises(PrivacyBudgetExhausted):
+    with pytest.raises(BudgetExhausted):
         restarted.check_budget(0.2)
     assert restarted.check_budget(0.01) < 3.5  # a smaller sampling rate still fits
 

@@ -32,7 +32,7 @@ from flotilla.core.timeouts import Timeouts
 from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
-from flotilla.server import auth
+from flotilla.server.federation import auth
 from flotilla.tasks import Shard
 from tests.live_grpc import (
     DIGITS,
@@ -450,7 +450,7 @@ async def test_client_trusting_another_ca_cannot_connect(tls_live: LiveServer, p
 
 def test_secrets_never_start_with_a_dash() -> None:
     """``--token -abc`` would be read as an option: every token must be a safe argument."""
-    from flotilla.server.auth import new_secret
+    from flotilla.server.federation.auth import new_secret
 
     secrets = [new_secret() for _ in range(2000)]  # ~31 would start with "-" by chance
     assert not [s for s in secrets if s.startswith("-")]

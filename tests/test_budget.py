@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from flotilla.server.budget import ByteBudget
+from flotilla.server.federation.budget import ByteBudget
 
 pytestmark = pytest.mark.timeout(10)
 

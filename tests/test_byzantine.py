@@ -165,7 +165,7 @@ def byzantine_counts(server: ServerProcess) -> dict[tuple[str, int], tuple[int, 
     """(job, round) -> (updates, Byzantine updates), from the server's participation rows."""
     import asyncio
 
-    from flotilla.server.store import Store, default_url
+    from flotilla.server.federation.store import Store, default_url
 
     async def read() -> list[Any]:
         store = await Store.open(server.db_url or default_url(server.state_dir))

@@ -26,7 +26,7 @@ from flotilla.core.tensors import encode_state
 from flotilla.core.update import Update
 from flotilla.engine import EngineConfig, JobRunner, RoundResult, TrainTask
 from flotilla.scheduling import DevicePool, RandomSelector
-from flotilla.server.gateway import Gateway
+from flotilla.server.federation.gateway import Gateway
 
 pytestmark = pytest.mark.timeout(60)
 

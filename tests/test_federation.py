@@ -23,7 +23,7 @@ def read_store(server: ServerProcess, what: str) -> list:
     """Rows straight from the server's database: ``participations`` or ``devices``."""
     import asyncio
 
-    from flotilla.server.store import Store, default_url
+    from flotilla.server.federation.store import Store, default_url
 
     async def read() -> list:
         store = await Store.open(server.db_url or default_url(server.state_dir))
@@ -193,7 +193,7 @@ def job_row(server: ServerProcess, job_id: str) -> JobRecord:
     """The job as the database holds it (also while the server is down)."""
     import asyncio
 
-    from flotilla.server.store import Store, default_url
+    from flotilla.server.federation.store import Store, default_url
 
     async def read() -> JobRecord | None:
         store = await Store.open(server.db_url or default_url(server.state_dir))

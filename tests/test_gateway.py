@@ -15,7 +15,7 @@ from flotilla.core.tensors import TensorSpec
 from flotilla.core.update import Update
 from flotilla.engine.backend import Delivered, Failed, RoundResult, TrainTask
 from flotilla.scheduling import DevicePool
-from flotilla.server.gateway import Gateway
+from flotilla.server.federation.gateway import Gateway
 
 pytestmark = pytest.mark.timeout(10)
 

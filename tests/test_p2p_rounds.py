@@ -30,7 +30,7 @@ from flotilla.engine import Reported, TrainTask, validate_spec
 from flotilla.engine.p2p_round import Agreement
 from flotilla.engine.rounds import RoundTally
 from flotilla.scheduling import DevicePool
-from flotilla.server.gateway import Gateway
+from flotilla.server.federation.gateway import Gateway
 from tests.conftest import AgentFleet, ServerProcess
 
 TASK = "pkg.mod:Task"

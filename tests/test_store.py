@@ -23,11 +23,11 @@ from flotilla.core.records import (
     ParticipationRecord,
     RoundCommit,
 )
-from flotilla.server.store import (
+from flotilla.server.federation.store import (
+    ConflictError,
     JobStateError,
     RoundConflict,
     Store,
-    StoreConflict,
     async_url,
     default_url,
 )
@@ -165,7 +165,7 @@ async def test_device_add_get_update(store: Store) -> None:
     assert await store.get_device("dev-a") is None
     await store.add_device(dev)
     assert await store.get_device("dev-a") == dev
-    with pytest.raises(StoreConflict):
+    with pytest.raises(ConflictError):
         await store.add_device(dev)
 
     updated = await store.update_device("dev-a", last_seen_at=1300.75)
@@ -199,7 +199,7 @@ async def test_job_lifecycle(store: Store) -> None:
     await store.add_job(make_job("job-2", created_at=2000.0))
     await store.add_job(make_job("job-1", created_at=1000.0))
     await store.add_job(make_job("job-3", created_at=3000.0))
-    with pytest.raises(StoreConflict):
+    with pytest.raises(ConflictError):
         await store.add_job(make_job("job-1"))
     with pytest.raises(ValueError, match="unknown job state"):
         await store.add_job(JobRecord("job-x", "n", "{}", "bogus", 1, 0, "", 1.0, 1.0, {}))

@@ -97,7 +97,7 @@ def test_fedadam_state_is_committed_with_each_round(
     import asyncio
 
     from flotilla.core.blobstore import BlobStore
-    from flotilla.server.store import Store, default_url
+    from flotilla.server.federation.store import Store, default_url
 
     async def read() -> str:
         store = await Store.open(default_url(federation.state_dir))

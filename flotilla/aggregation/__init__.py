@@ -22,7 +22,6 @@ from flotilla.aggregation.dp import (
     DPFedAvg,
     DPParams,
     PrivacyAccountant,
-    PrivacyBudgetExhausted,
     dp_epsilon,
 )
 from flotilla.aggregation.fedavg import FedAvg, FedAvgParams, FedProxParams
@@ -71,7 +70,6 @@ __all__ = [
     "MedianParams",
     "MultiKrumParams",
     "PrivacyAccountant",
-    "PrivacyBudgetExhausted",
     "RobustAggregator",
     "SpoolLimits",
     "StrategyInfo",

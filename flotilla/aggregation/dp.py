@@ -37,14 +37,10 @@ from flotilla.aggregation.base import (
     refuse_unknown,
     require,
 )
-from flotilla.core.errors import FlotillaError, SpecError, UpdateRejected
+from flotilla.core.errors import BudgetExhausted, SpecError, UpdateRejected
 from flotilla.core.tensors import ModelState, TensorSpec
 
 ACCOUNTANTS = ("rdp", "pld")
-
-
-class PrivacyBudgetExhausted(FlotillaError):
-    """Starting the next round would take the job past its epsilon budget."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +173,7 @@ class PrivacyAccountant:
         """Projected epsilon with one more round at rate ``q``; raises past the budget."""
         projected = self._with(q)
         if projected > self.budget:
-            raise PrivacyBudgetExhausted(
+            raise BudgetExhausted(
                 f"round {len(self.rates) + 1} at sampling rate {q:g} would bring epsilon to "
                 f"{projected:.4g} at delta={self.delta:g}, over the budget of {self.budget:g} "
                 f"(spent so far: {self._epsilon:.4g} over {len(self.rates)} rounds)"
@@ -201,7 +197,7 @@ class PrivacyAccountant:
 class DPFedAvg(StreamingBase):
     """Clipped, noised, unweighted FedAvg with a privacy budget.
 
-    Protocol: ``check_budget(q)`` before a round starts (raises PrivacyBudgetExhausted),
+    Protocol: ``check_budget(q)`` before a round starts (raises BudgetExhausted),
     ``begin``/``add``/``finalize``, then ``spend()`` *before* ``state()`` is written with
     the checkpoint, so the stored history already counts the round it ships with.
     """

@@ -10,7 +10,13 @@
     │   └── StaleRoundError  the update is for a round that is no longer open
     ├── AuthError            missing or wrong credentials
     ├── NotFoundError        an unknown job, device or blob
-    └── TaskLoadError        a task entry point cannot be imported
+    ├── TaskLoadError        a task entry point cannot be imported
+    ├── ConflictError        a write that contradicts what is stored
+    │   ├── RoundConflict    a round commit out of order, repeated, or on a finished job
+    │   └── JobStateError    a state change out of a terminal state
+    ├── BudgetExhausted      a job's privacy budget allows no further round
+    ├── RunRecordError       a volunteer run record is missing, malformed or badly signed
+    └── SimulationStalled    every simulated task waits for what no timer will bring
 
 Transports map these to their own status codes at the edge; the CLI maps them to exit codes.
 """
@@ -55,3 +61,27 @@ class NotFoundError(FlotillaError, KeyError):
 
 class TaskLoadError(FlotillaError, ImportError):
     """A task entry point (``package.module:Name``) cannot be loaded."""
+
+
+class ConflictError(FlotillaError, ValueError):
+    """A write that contradicts what is stored (duplicate id, illegal transition...)."""
+
+
+class RoundConflict(ConflictError):
+    """A round commit that is out of order, repeated, or for a finished job; nothing written."""
+
+
+class JobStateError(ConflictError):
+    """A state change out of a terminal state (completed, failed, cancelled)."""
+
+
+class BudgetExhausted(FlotillaError):
+    """Starting the next round would take the job past its privacy (epsilon) budget."""
+
+
+class RunRecordError(FlotillaError, ValueError):
+    """A run record is missing, malformed, unsigned, or signed by the wrong key."""
+
+
+class SimulationStalled(FlotillaError, RuntimeError):
+    """Every simulated task waits for something no timer will ever bring."""

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flotilla.aggregation import Aggregator, PrivacyBudgetExhausted
-from flotilla.core.errors import FlotillaError, UpdateRejected
+from flotilla.aggregation import Aggregator
+from flotilla.core.errors import BudgetExhausted, FlotillaError, UpdateRejected
 from flotilla.core.records import JobRecord, ParticipationRecord, RoundCommit
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import (
@@ -155,7 +155,7 @@ class JobRunner:
                         committed = await self.run_round(next_round)
                     if not committed:
                         await asyncio.sleep(self.config.retry_pause_s)
-        except PrivacyBudgetExhausted as exc:
+        except BudgetExhausted as exc:
             # The job trained as far as its privacy budget allows: that is its end.
             log.warning("job %s stops: %s", self.job.id, exc)
             self.job = await self.ledger.set_job_state(self.job.id, "completed")

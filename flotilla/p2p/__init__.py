@@ -13,6 +13,7 @@
 Needs the ``p2p`` extra (hivemind). See docs/p2p.md.
 """
 
+from flotilla.core.errors import RunRecordError
 from flotilla.p2p.codecs import (
     COMPRESSION_NAMES,
     FlotillaInt8,
@@ -29,7 +30,7 @@ from flotilla.p2p.dht import (
     start_dht,
 )
 from flotilla.p2p.federated import AgreedAverage, UpdateAverager, agreed_model
-from flotilla.p2p.record import RunRecord, RunRecordError, SignedRecord, sign_record, verify_record
+from flotilla.p2p.record import RunRecord, SignedRecord, sign_record, verify_record
 from flotilla.p2p.volunteer import VolunteerOptions, VolunteerReport, run_volunteer
 
 __all__ = [

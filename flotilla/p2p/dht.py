@@ -25,8 +25,9 @@ import hivemind
 from hivemind.dht.schema import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
+from flotilla.core.errors import RunRecordError
 from flotilla.p2p.lifetime import die_with_parent
-from flotilla.p2p.record import RunRecord, RunRecordError, SignedRecord, verify_record
+from flotilla.p2p.record import RunRecord, SignedRecord, verify_record
 
 #: Where a peer listens unless told otherwise: loopback only.
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)

@@ -20,15 +20,11 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from flotilla.core.errors import FlotillaError, SpecError
+from flotilla.core.errors import RunRecordError, SpecError
 from flotilla.p2p.codecs import COMPRESSION_NAMES
 
 #: Bumped when a field changes meaning; a volunteer refuses records of another schema.
 SCHEMA_VERSION = 1
-
-
-class RunRecordError(FlotillaError, ValueError):
-    """A run record is missing, malformed, unsigned, or signed by the wrong key."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flotilla.core.errors import RunRecordError
 from flotilla.core.spec import DataSection
 from flotilla.p2p.codecs import install_codecs
 from flotilla.p2p.dht import PeerMetrics, fetch_record, publish_metrics, start_dht
-from flotilla.p2p.record import RunRecord, RunRecordError
+from flotilla.p2p.record import RunRecord
 from flotilla.p2p.swarm import make_optimizer, model_sha256
 from flotilla.tasks.base import Shard, load_task
 

@@ -18,8 +18,8 @@ from typing import Any
 _EXPORTS = {
     "FederationServer": "flotilla.server.app",
     "ServerConfig": "flotilla.server.app",
-    "Gateway": "flotilla.server.gateway",
-    "Store": "flotilla.server.store",
+    "Gateway": "flotilla.server.federation.gateway",
+    "Store": "flotilla.server.federation.store",
     "RemoteServer": "flotilla.server.remote",
 }
 

@@ -33,7 +33,7 @@ from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
 from flotilla.proto.bulk import UpdatePart
-from flotilla.server.budget import ByteBudget
+from flotilla.server.federation.budget import ByteBudget
 
 if TYPE_CHECKING:
     from flotilla.server.app import FederationServer

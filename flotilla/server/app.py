@@ -27,14 +27,14 @@ from flotilla.engine.evaluation import initial_model, server_evaluator
 from flotilla.proto import bulk, handlers
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.scheduling import Arbiter, DevicePool, Selector, make_selector
-from flotilla.server import auth
 from flotilla.server.agent_service import AgentService, profile_from_pb
-from flotilla.server.budget import ByteBudget
-from flotilla.server.gateway import Gateway
+from flotilla.server.federation import auth
+from flotilla.server.federation.budget import ByteBudget
+from flotilla.server.federation.gateway import Gateway
+from flotilla.server.federation.store import Store, default_url
 from flotilla.server.memory import release_free_memory
 from flotilla.server.operator_service import OperatorService
 from flotilla.server.rendezvous import Rendezvous, require_p2p
-from flotilla.server.store import Store, default_url
 from flotilla.server.volunteer_host import VolunteerHost, VolunteerRunSpec
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,9 @@
 - ``runner``: :func:`run_experiment`, behind ``flotilla simulate``.
 """
 
+from flotilla.core.errors import SimulationStalled
 from flotilla.simulation.backend import SimBackend, UpdatePipeline
-from flotilla.simulation.clock import SimulationStalled, VirtualClockLoop, run_simulated
+from flotilla.simulation.clock import VirtualClockLoop, run_simulated
 from flotilla.simulation.experiment import (
     Experiment,
     SimulationSection,

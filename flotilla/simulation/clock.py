@@ -14,11 +14,9 @@ import selectors
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from flotilla.core.errors import SimulationStalled
+
 T = TypeVar("T")
-
-
-class SimulationStalled(RuntimeError):
-    """Every task waits for something no timer will ever bring."""
 
 
 class _JumpingSelector(selectors.BaseSelector):

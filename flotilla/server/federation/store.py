@@ -27,7 +27,12 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.sql.dml import Insert
 
-from flotilla.core.errors import FlotillaError, NotFoundError
+from flotilla.core.errors import (
+    ConflictError,
+    JobStateError,
+    NotFoundError,
+    RoundConflict,
+)
 from flotilla.core.records import (
     JOB_STATES,
     RESUMABLE_STATES,
@@ -38,7 +43,7 @@ from flotilla.core.records import (
     RoundCommit,
     RoundRecord,
 )
-from flotilla.server.schema import (
+from flotilla.server.federation.schema import (
     Base,
     CheckpointRow,
     DeviceRow,
@@ -50,10 +55,10 @@ from flotilla.server.schema import (
 )
 
 __all__ = [
+    "ConflictError",
     "JobStateError",
     "RoundConflict",
     "Store",
-    "StoreConflict",
     "async_url",
     "default_url",
 ]
@@ -64,18 +69,6 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 # Execution option read by the SQLite "begin" hook: write transactions take the write lock
 # up front so two writers queue instead of failing on a stale snapshot.
 _SQLITE_BEGIN = "flotilla_sqlite_begin"
-
-
-class StoreConflict(FlotillaError, ValueError):
-    """A write that contradicts what is stored (duplicate id, illegal transition...)."""
-
-
-class RoundConflict(StoreConflict):
-    """A round commit that is out of order, repeated, or for a finished job; nothing written."""
-
-
-class JobStateError(StoreConflict):
-    """A state change out of a terminal state (completed, failed, cancelled)."""
 
 
 def default_url(state_dir: Path) -> str:
@@ -312,7 +305,7 @@ class Store:
     # -- devices ---------------------------------------------------------------------------
 
     async def add_device(self, device: DeviceRecord) -> None:
-        """Register a device; a second device with the same id is a :class:`StoreConflict`."""
+        """Register a device; a second device with the same id is a :class:`ConflictError`."""
         row = DeviceRow(
             id=device.id,
             credential_hash=device.credential_hash,
@@ -325,7 +318,7 @@ class Store:
             async with self._write.begin() as s:
                 s.add(row)
         except IntegrityError as exc:
-            raise StoreConflict(f"device {device.id!r} is already enrolled") from exc
+            raise ConflictError(f"device {device.id!r} is already enrolled") from exc
 
     async def get_device(self, device_id: str) -> DeviceRecord | None:
         async with self._read() as s:
@@ -361,7 +354,7 @@ class Store:
     # -- jobs ------------------------------------------------------------------------------
 
     async def add_job(self, job: JobRecord) -> None:
-        """Insert a new job; a duplicate id is a :class:`StoreConflict`."""
+        """Insert a new job; a duplicate id is a :class:`ConflictError`."""
         _check_state(job.state)
         row = JobRow(
             id=job.id,
@@ -379,7 +372,7 @@ class Store:
             async with self._write.begin() as s:
                 s.add(row)
         except IntegrityError as exc:
-            raise StoreConflict(f"job {job.id!r} already exists") from exc
+            raise ConflictError(f"job {job.id!r} already exists") from exc
 
     async def get_job(self, job_id: str) -> JobRecord | None:
         async with self._read() as s:

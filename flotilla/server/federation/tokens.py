@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flotilla.server import auth
-from flotilla.server.store import Store, default_url
+from flotilla.server.federation import auth
+from flotilla.server.federation.store import Store, default_url
 
 
 async def create_enrol_token(state_dir: Path, db_url: str | None = None) -> str:

@@ -3,7 +3,7 @@
 Only column types that behave the same on SQLite and PostgreSQL are used: times are
 ``Double`` (REAL / DOUBLE PRECISION, never single precision), sizes ``BigInteger``, and
 structured fields are JSON in ``Text`` columns so neither backend's JSON type is needed.
-Nothing outside :mod:`flotilla.server.store` should import these classes.
+Nothing outside :mod:`flotilla.server.federation.store` should import these classes.
 """
 
 from __future__ import annotations
