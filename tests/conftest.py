@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -9,11 +10,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.support.lifetime import die_with_test
 
 # Many agent processes share a couple of cores here: one math thread each, or torch's
 # spinning thread pools fight over the cores and a 5 ms step takes 50 ms. Set before any
@@ -39,6 +43,7 @@ def flotilla(
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=die_with_test,
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"flotilla {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -70,7 +75,9 @@ class ServerProcess:
         if self.db_url:
             cmd += ["--db", self.db_url]
         out = self.log.open("a")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out, text=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=out, text=True, preexec_fn=die_with_test
+        )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -122,16 +129,55 @@ class ServerProcess:
     def wait_for(
         self, job_id: str, timeout: float, states: tuple[str, ...] = ("completed",)
     ) -> dict:
+        """Poll over one in-process operator connection (a CLI process per poll would take
+        a core from the agents), then answer with what ``job status --json`` prints."""
+        ended = (*states, "failed", "cancelled")
+        state = asyncio.run(self._await_state(job_id, ended, timeout))
+        if state not in ended:
+            raise AssertionError(
+                f"job {job_id} not done in {timeout}s: {state}\n{self.log.read_text()[-3000:]}"
+            )
+        return self.status(job_id)
+
+    def wait_rounds(self, job_id: str, rounds: int, timeout: float) -> None:
+        """Until the job has committed ``rounds`` rounds (in-process polls)."""
+
+        async def committed(remote: Any) -> bool:
+            return int((await remote.job(job_id)).rounds_committed) >= rounds
+
+        if not asyncio.run(self._poll(committed, timeout)):
+            raise AssertionError(f"job {job_id} did not commit {rounds} rounds in {timeout}s")
+
+    def wait_devices(self, count: int, timeout: float, state: str = "idle") -> None:
+        """Until ``count`` enrolled devices are in ``state`` (instead of sleeping on it)."""
+
+        async def ready(remote: Any) -> bool:
+            return sum(d.state == state for d in await remote.devices()) >= count
+
+        if not asyncio.run(self._poll(ready, timeout)):
+            raise AssertionError(f"{count} devices were not {state} within {timeout}s")
+
+    async def _await_state(self, job_id: str, states: tuple[str, ...], timeout: float) -> str:
+        last = [""]
+
+        async def ended(remote: Any) -> bool:
+            last[0] = (await remote.job(job_id)).state
+            return last[0] in states
+
+        await self._poll(ended, timeout)
+        return last[0]
+
+    async def _poll(self, done: Callable[[Any], Awaitable[bool]], timeout: float) -> bool:
+        from flotilla.server.remote import RemoteServer, operator_token
+
+        token = operator_token(self.state_dir, None)
         deadline = time.monotonic() + timeout
-        status: dict = {}
-        while time.monotonic() < deadline:
-            status = self.status(job_id)
-            if status["state"] in states or status["state"] in ("failed", "cancelled"):
-                return status
-            time.sleep(1.0)
-        raise AssertionError(
-            f"job {job_id} not done in {timeout}s: {status}\n{self.log.read_text()[-3000:]}"
-        )
+        async with RemoteServer(self.address, token) as remote:
+            while time.monotonic() < deadline:
+                if await done(remote):
+                    return True
+                await asyncio.sleep(0.2)
+        return False
 
 
 @dataclass
@@ -149,7 +195,11 @@ class AgentFleet:
                 "--server", self.server.address, f"--token={self.token}",
                 "--task", task, "--shard", f"{i}/{count}", *extra,
             ]  # fmt: skip
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            self.procs.append(
+                subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_test
+                )
+            )
 
     def alive(self) -> int:
         return sum(p.poll() is None for p in self.procs)
@@ -167,7 +217,6 @@ class AgentFleet:
 
 
 def _wipe_postgres(url: str) -> None:
-    import asyncio
 
     from flotilla.server.federation.store import Store
 

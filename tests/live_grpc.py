@@ -35,6 +35,7 @@ from flotilla.server.app import FederationServer, ServerConfig
 from flotilla.server.federation import auth
 from flotilla.server.federation.schema import Base
 from flotilla.server.federation.store import Store, async_url
+from tests.support.lifetime import die_with_test
 
 DIGITS = "flotilla.tasks.digits:DigitsTask"
 SPEC = Path(__file__).resolve().parent.parent / "examples" / "digits.toml"
@@ -110,6 +111,7 @@ async def run_cli(*args: str, timeout: float = 60.0) -> CliResult:
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        preexec_fn=die_with_test,
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)

@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, Literal
 
@@ -97,7 +97,13 @@ class Host:
 
 def _ip(*args: str, timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``ip`` with a timeout; raise with its stderr when it fails and ``check``."""
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        ["ip", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=_die_with_test(),
+    )
     if check and proc.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed: {proc.stderr.strip()}")
     return proc
@@ -220,6 +226,7 @@ class Network:
                     capture_output=True,
                     text=True,
                     timeout=self.timeout,
+                    preexec_fn=_die_with_test(),
                 )
                 if proc.returncode != 0:
                     raise RuntimeError(f"configuring {host.netns} failed: {proc.stderr.strip()}")
@@ -231,6 +238,7 @@ class Network:
                 stderr=self._fwd_log,
                 pass_fds=fds,
                 start_new_session=True,
+                preexec_fn=_die_with_test(),
             )
         finally:
             for fd in fds:
@@ -325,6 +333,7 @@ class Network:
         if self._closed:
             raise RuntimeError("network is closed")
         kwargs.setdefault("start_new_session", True)
+        kwargs.setdefault("preexec_fn", _die_with_test())
         proc: subprocess.Popen[Any] = subprocess.Popen(
             ["ip", "netns", "exec", self.hosts[host].netns, *argv], **kwargs
         )
@@ -618,6 +627,14 @@ def _forwarder_main() -> None:
             return
         line += byte
     _forward(json.loads(line), 0, 1)
+
+
+def _die_with_test() -> Callable[[], None]:
+    """The test run's process-lifetime hook (imported here: this file also runs as the
+    forwarder script, where the ``tests`` package is not importable)."""
+    from tests.support.lifetime import die_with_test
+
+    return die_with_test
 
 
 if __name__ == "__main__":

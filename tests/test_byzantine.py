@@ -39,6 +39,7 @@ import pytest
 
 from tests.byzantine_task import BYZANTINE_ENV
 from tests.conftest import AgentFleet, ServerProcess
+from tests.support.lifetime import die_with_test
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -143,22 +144,27 @@ def start_agents(fleet: AgentFleet, env: dict[str, str]) -> None:
         ]  # fmt: skip
         agent_env = {**env, BYZANTINE_ENV: "1" if i in BYZANTINE_SHARDS else "0"}
         fleet.procs.append(
-            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=agent_env, cwd=REPO)
+            subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=agent_env,
+                cwd=REPO,
+                preexec_fn=die_with_test,
+            )
         )
 
 
 def wait_all(server: ServerProcess, ids: dict[str, str], deadline: float) -> None:
-    """Poll the job list until every job has ended; fail with the laggards otherwise."""
-    pending: list[dict[str, Any]] = []
-    while time.monotonic() < deadline:
-        listing = json.loads(server.operator("job", "list", "--json", timeout=60).stdout)
-        mine = [j for j in listing if j["id"] in ids.values()]
-        pending = [j for j in mine if j["state"] in ("pending", "running")]
-        if len(mine) == len(ids) and not pending:
-            return
-        time.sleep(1.0)
+    """Wait (in-process polls) until every job has ended, then check the operator's job list
+    says so; fail with the laggards otherwise."""
+    for job_id in ids.values():
+        server.wait_for(job_id, max(deadline - time.monotonic(), 1.0), states=("completed",))
+    listing = json.loads(server.operator("job", "list", "--json", timeout=60).stdout)
+    mine = [j for j in listing if j["id"] in ids.values()]
+    pending = [j for j in mine if j["state"] in ("pending", "running")]
     late = {j["name"]: f"{j['rounds_committed']}/{j['rounds_total']}" for j in pending}
-    raise AssertionError(f"jobs not done in time: {late}\n{server.log.read_text()[-3000:]}")
+    assert len(mine) == len(ids) and not pending, f"jobs not done in time: {late}"
 
 
 def byzantine_counts(server: ServerProcess) -> dict[tuple[str, int], tuple[int, int]]:

@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 
 from flotilla.core.records import JobRecord
 from tests.conftest import DIGITS, AgentFleet, ServerProcess, flotilla
+from tests.support.lifetime import die_with_test
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -154,10 +155,7 @@ def test_kill_9_mid_round_then_restart_resumes(
     job_id = server.submit(
         digits_spec, f"job.rounds={ROUNDS}", "job.name=crashy", "scheduling.selector=rl"
     )
-    deadline = time.monotonic() + 300  # agents import torch first; CI machines are slow
-    while server.status(job_id)["rounds_committed"] < 10:
-        assert time.monotonic() < deadline, "job did not start"
-        time.sleep(0.3)
+    server.wait_rounds(job_id, 10, timeout=300)  # agents import torch first; CI is slow
     server.kill9()
     at_kill = job_row(server, job_id).rounds_committed
     assert 10 <= at_kill < ROUNDS, "the kill must land mid-job"
@@ -227,12 +225,13 @@ def test_agent_killed_mid_upload_leaves_nothing(
         ],
         stdout=subprocess.PIPE,
         text=True,
+        preexec_fn=die_with_test,
     )
     assert half.stdout is not None
     dying_device = half.stdout.readline().strip()
     assert dying_device.startswith("dev-")
     fleet.start(4)
-    time.sleep(4.0)  # let the honest agents enrol so all five are selected
+    server.wait_devices(5, timeout=120)  # all five enrolled and idle, so all are selected
     job_id = server.submit(
         digits_spec,
         "job.rounds=3",
@@ -264,10 +263,7 @@ def test_ctrl_c_leaves_cleanly_and_cancel_stops_a_job(
     job_id = server.submit(
         digits_spec, "job.rounds=500", "job.clients_per_round=2", "job.name=long"
     )
-    deadline = time.monotonic() + 300
-    while server.status(job_id)["rounds_committed"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.3)
+    server.wait_rounds(job_id, 1, timeout=300)
     cancelled = server.operator("job", "cancel", job_id).stdout
     assert "cancelled" in cancelled
     committed = server.status(job_id)["rounds_committed"]

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.support.lifetime import die_with_test
+
 SUBPACKAGES = [
     "core", "compression", "aggregation", "scheduling", "engine", "client", "tasks", "server",
     "proto", "simulation",
@@ -46,6 +48,7 @@ def loaded_by() -> dict[str, set[str]]:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=die_with_test,
         )
         for module in HEAVY_CHECKS
     }

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from flotilla.p2p import start_dht
+from tests.support.lifetime import die_with_test
 
 PEER = Path(__file__).parent / "peers" / "allreduce_peer.py"
 SIZE = 10_000_000
@@ -33,7 +34,7 @@ class Peer:
             [sys.executable, str(PEER), "--initial-peers", maddr, "--rank", str(rank),
              "--size", str(SIZE), "--group-size", str(PEERS), "--timeout", str(TIMEOUT_S)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, start_new_session=True,
+            text=True, start_new_session=True, preexec_fn=die_with_test,
         )  # fmt: skip
 
     def expect(self, word: str) -> None:

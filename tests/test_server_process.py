@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from tests.support.lifetime import die_with_test
+
 PROBE = """
 import json
 from threadpoolctl import threadpool_info
@@ -24,6 +26,7 @@ def test_single_threaded_blas_reaches_numpy_and_scipy_blas() -> None:
         timeout=60,
         check=True,
         env={"OPENBLAS_NUM_THREADS": "2", "PATH": ""},
+        preexec_fn=die_with_test,
     )
     libraries = json.loads(out.stdout)
     assert len(libraries) >= 2, libraries  # numpy's and SciPy's (loaded by the call)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from flotilla.tasks.charlm import CharLMTask
+from tests.support.lifetime import die_with_test
 
 TASK = "flotilla.tasks.charlm:CharLMTask"
 AVERAGING_TIMEOUT_S = 15.0
@@ -53,6 +54,7 @@ class Peers:
             env=self.env,
             cwd=self.workdir,
             start_new_session=True,
+            preexec_fn=die_with_test,
         )
         self.procs.append(proc)
         return proc
@@ -99,6 +101,7 @@ def _status(peers: Peers, run: str, maddr: str) -> dict[str, Any]:
         [sys.executable, "-m", "flotilla", "volunteer", "status", "--run", run,
          "--initial-peers", maddr, "--json"],
         capture_output=True, text=True, env=peers.env, timeout=60, check=True,
+        preexec_fn=die_with_test,
     )  # fmt: skip
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
@@ -233,6 +236,7 @@ def test_a_federation_server_coordinates_a_volunteer_run_and_lists_it(
                 [sys.executable, "-m", "flotilla", "volunteer", "runs", "--server",
                  server.address, "--state-dir", str(server.state_dir), "--json"],
                 capture_output=True, text=True, env=peers.env, timeout=60, check=True,
+                preexec_fn=die_with_test,
             )  # fmt: skip
             return json.loads(out.stdout)  # type: ignore[no-any-return]
 
@@ -257,6 +261,7 @@ def test_a_federation_server_coordinates_a_volunteer_run_and_lists_it(
             [sys.executable, "-m", "flotilla", "volunteer", "runs", "--server",
              server.address, "--token", "not-a-token"],
             capture_output=True, text=True, env=peers.env, timeout=60,
+            preexec_fn=die_with_test,
         )  # fmt: skip
         assert unauthenticated.returncode == 3, unauthenticated.stderr
     finally:

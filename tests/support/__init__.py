@@ -1,0 +1,1 @@
+"""Helpers the tests share: processes that die with the test run, servers, fleets."""
