@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import itertools
 import os
+import shutil
 import subprocess
 import sys
 from collections import defaultdict
@@ -232,6 +233,13 @@ def _graph(key: Callable[[str], str]) -> dict[str, set[str]]:
     return graph
 
 
+def test_circles_are_found_with_a_path_through_them() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"a"}}
+    assert _strongly_connected(graph) == [["a", "b", "c"]]
+    assert _cycle_through("b", graph, {"a", "b", "c"}) == ["b", "c", "a", "b"]
+    assert _strongly_connected({"a": {"b"}, "b": set()}) == []
+
+
 def test_the_import_graph_sees_lazy_and_type_checking_imports() -> None:
     """The reader must see what import-time checks cannot, or the next two tests prove little."""
     kinds = {edge.kind for edge in edges()}
@@ -250,6 +258,18 @@ def test_no_import_circle_between_subpackages() -> None:
     graph = _graph(subpackage)
     circles = _strongly_connected(graph)
     assert not circles, "\n" + _describe(circles, graph, subpackage)
+
+
+def test_the_agent_imports_p2p_only_inside_functions() -> None:
+    """docs/architecture.md: the agent imports p2p (and so hivemind) only when a server-less
+    round arrives; import-linter cannot tell a lazy import from a module-level one."""
+    eager = [
+        str(e)
+        for e in edges()
+        if subpackage(e.importer) == "client" and subpackage(e.imported) == "p2p"
+        if e.kind != "lazy"
+    ]
+    assert eager == []
 
 
 # --- private attributes --------------------------------------------------------------------
@@ -294,28 +314,59 @@ def _is_private(attr: str) -> bool:
     return attr.startswith("_") and not attr.startswith("__") and attr != "_"
 
 
+def _strings(node: ast.expr) -> set[str]:
+    return {
+        c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+    }
+
+
 def _defined_privates(tree: ast.Module) -> set[str]:
-    """The private names a module defines: its methods and functions, class-level names,
-    ``self._x``/``cls._x`` assignments and slots. A leading underscore means private to the
-    defining module (as in Python's own convention), so a module may read these on any
-    object: ``other._x`` in ``__eq__``, a classmethod filling ``cls()``'s fields, a friend
-    class in the same file."""
+    """The private names a module defines: module- and class-level functions, classes and
+    names (dataclass fields included), ``__slots__``, and ``self._x``/``cls._x``
+    assignments. A leading underscore means private to the defining module, as in Python's
+    own convention, so a module may read these on any object: ``other._x`` in ``__eq__``,
+    a classmethod filling ``cls()``'s fields, a friend class in the same file."""
     names: set[str] = set()
+    bodies: list[list[ast.stmt]] = [tree.body]
+    while bodies:
+        for stmt in bodies.pop():
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(stmt.name)
+                if isinstance(stmt, ast.ClassDef):
+                    bodies.append(stmt.body)
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        names.add(target.id)
+                        if target.id == "__slots__" and stmt.value is not None:
+                            names.update(_strings(stmt.value))
     for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            names.add(node.id)
-        elif (
+        if (
             isinstance(node, ast.Attribute)
             and isinstance(node.ctx, ast.Store)
             and isinstance(node.value, ast.Name)
             and node.value.id in ("self", "cls")
         ):
             names.add(node.attr)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            names.add(node.value)  # __slots__ entries
     return {name for name in names if _is_private(name)}
+
+
+def _private_access(node: ast.AST) -> tuple[ast.expr, str] | None:
+    """(object, name) of ``obj._name`` or ``getattr/hasattr/setattr(obj, "_name", ...)``."""
+    if isinstance(node, ast.Attribute) and _is_private(node.attr):
+        return node.value, node.attr
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "hasattr", "setattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+        and _is_private(node.args[1].value)
+    ):
+        return node.args[0], node.args[1].value
+    return None
 
 
 def _is_super(node: ast.expr) -> bool:
@@ -324,29 +375,51 @@ def _is_super(node: ast.expr) -> bool:
     )
 
 
+def _private_reads_in(tree: ast.Module) -> Iterator[tuple[int, str]]:
+    """(line, expression) of every ``obj._name`` (or ``getattr(obj, "_name")``) where ``obj``
+    is not ``self`` or ``cls`` and ``_name`` is not defined by this module."""
+    own = _defined_privates(tree)
+    for node in ast.walk(tree):
+        if (access := _private_access(node)) is None:
+            continue
+        obj, name = access
+        if name in PUBLIC_UNDERSCORE:
+            continue
+        # super()._x reaches the base class's private, which is seldom ours: always listed.
+        if name in own and not _is_super(obj):
+            continue
+        if isinstance(obj, ast.Name) and obj.id in ("self", "cls"):
+            continue
+        yield obj.lineno, ast.unparse(node)
+
+
 @cache
 def private_reads() -> tuple[tuple[str, int, str], ...]:
-    """(path, line, expression) of every ``obj._name`` where ``obj`` is not ``self`` or
-    ``cls`` and ``_name`` is not defined by the module that reads it."""
-    out = []
+    """(path, line, expression) of every private read in the package."""
+    out: list[tuple[str, int, str]] = []
     for path in modules().values():
         if _is_generated(path):
             continue  # written by protoc, not by us
         tree = ast.parse(path.read_text(), str(path))
-        own = _defined_privates(tree)
         rel = str(path.relative_to(ROOT))
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.Attribute) or not _is_private(node.attr):
-                continue
-            if node.attr in PUBLIC_UNDERSCORE:
-                continue
-            # super()._x reaches the base class's private, which is seldom ours: always listed.
-            if node.attr in own and not _is_super(node.value):
-                continue
-            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
-                continue
-            out.append((rel, node.lineno, ast.unparse(node)))
+        out.extend((rel, line, expr) for line, expr in _private_reads_in(tree))
     return tuple(sorted(out))
+
+
+def test_the_private_reader_tells_own_privates_from_anothers() -> None:
+    source = """
+class Runner:
+    __slots__ = ("_slot",)
+    def __init__(self): self._task = 1
+    def __eq__(self, other): return self._task == other._task and other._slot
+    def _helper(self): return super()._helper()
+
+def mode(runner, pool):
+    getattr(pool, "_claimed")
+    return runner._aggregator, Runner._helper, pool._replace(x=1), runner.__dict__
+"""
+    found = sorted(expr for _, expr in _private_reads_in(ast.parse(source)))
+    assert found == ["getattr(pool, '_claimed')", "runner._aggregator", "super()._helper"]
 
 
 def test_no_module_reads_another_objects_private_attributes() -> None:
@@ -372,15 +445,128 @@ def _lint_imports() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "importlinter.cli"]
 
 
-def test_the_layer_contracts_hold() -> None:
-    """``make lint`` runs the same check; here a broken layer rule also fails pytest."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [*_lint_imports(), "--no-cache"],
-        cwd=ROOT,
-        env=env,
+def _run_lint_imports(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """lint-imports over the tree at ``root`` (it reads ``root``/pyproject.toml)."""
+    return subprocess.run(
+        [*_lint_imports(), "--no-cache", *args],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
         capture_output=True,
         text=True,
         timeout=100,
     )
+
+
+def test_the_layer_contracts_hold() -> None:
+    """``make lint`` runs the same check; here a broken layer rule also fails pytest."""
+    proc = _run_lint_imports(ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One import that breaks one rule, planted in a copy of the tree."""
+
+    contract: str  # the contract's id in [tool.importlinter]
+    file: str  # under flotilla/
+    target: str
+    kind: str = "lazy"  # or "type-checking"
+
+    @property
+    def importer(self) -> str:
+        parts = Path(PACKAGE, self.file).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    def source(self, n: int) -> str:
+        if self.kind == "lazy":
+            return f"\n\ndef _probe_{n}() -> None:\n    import {self.target}\n"
+        return f"\n\nimport typing as _t{n}\n\nif _t{n}.TYPE_CHECKING:\n    import {self.target}\n"
+
+
+#: Every dependency rule of docs/architecture.md, broken once each by a lazy import (one by
+#: a type-checking one): `make lint` must name the planted import under the rule's contract.
+PROBES = (
+    Probe("core", "core/__init__.py", "flotilla.compression"),
+    Probe("core", "core/__init__.py", "torch"),
+    Probe("core", "core/__init__.py", "sqlalchemy"),
+    Probe("core", "core/__init__.py", "grpc"),
+    Probe("core", "core/__init__.py", "hivemind"),
+    Probe("proto", "proto/__init__.py", "flotilla.engine"),
+    Probe("compression", "compression/__init__.py", "flotilla.aggregation"),
+    Probe("aggregation", "aggregation/__init__.py", "flotilla.compression"),
+    Probe("scheduling", "scheduling/__init__.py", "flotilla.engine"),
+    Probe("engine", "engine/__init__.py", "flotilla.tasks"),
+    Probe("engine", "engine/__init__.py", "flotilla.proto"),
+    Probe("engine", "engine/__init__.py", "flotilla.server", kind="type-checking"),
+    Probe("tasks", "tasks/__init__.py", "flotilla.compression"),
+    Probe("client", "client/__init__.py", "flotilla.tasks"),
+    Probe("client", "client/__init__.py", "flotilla.server"),
+    Probe("client", "client/__init__.py", "flotilla.engine"),
+    Probe("p2p", "p2p/__init__.py", "flotilla.client"),
+    Probe("p2p", "p2p/__init__.py", "flotilla.engine"),
+    Probe("server", "server/__init__.py", "flotilla.client"),
+    Probe("server", "server/__init__.py", "flotilla.p2p"),
+    Probe("server", "server/__init__.py", "flotilla.simulation"),
+    Probe("server-edge", "server/federation/__init__.py", "flotilla.server.grpc"),
+    Probe("server-core", "server/federation/__init__.py", "flotilla.proto"),
+    Probe("server-core", "server/federation/__init__.py", "grpc"),
+    Probe("simulation", "simulation/__init__.py", "flotilla.server"),
+    Probe("simulation", "simulation/__init__.py", "flotilla.client"),
+    Probe("simulation", "simulation/__init__.py", "grpc"),
+    Probe("cli-jobfiles", "cli", "flotilla.simulation.experiment"),
+    Probe("layers", "core/__init__.py", "flotilla.engine"),
+)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    """A copy of the tree with every probe planted, and lint-imports' report per contract."""
+    root = tmp_path_factory.mktemp("planted")
+    shutil.copytree(ROOT / PACKAGE, root / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
+    edge = root / PACKAGE / "server" / "grpc" / "__init__.py"
+    if not edge.exists():  # the gRPC edge package, until it is written
+        edge.parent.mkdir()
+        edge.write_text("")
+    for n, probe in enumerate(PROBES):
+        path = root / PACKAGE / probe.file
+        if probe.file == "cli":  # flotilla/cli.py, or the flotilla/cli/ package
+            module = path.with_suffix(".py")
+            path = module if module.exists() else path / "__init__.py"
+        with path.open("a") as f:
+            f.write(probe.source(n))
+    # A top-level module no layer names, and two core modules importing each other.
+    (root / PACKAGE / "unplaced.py").write_text("")
+    (root / PACKAGE / "core" / "probe_a.py").write_text("import flotilla.core.probe_b\n")
+    (root / PACKAGE / "core" / "probe_b.py").write_text(
+        "def probe() -> None:\n    import flotilla.core.probe_a\n"
+    )
+    reports: dict[str, str] = {}
+
+    def report(contract: str) -> str:
+        if contract not in reports:
+            proc = _run_lint_imports(root, "--contract", contract)
+            assert "Analyzed" in proc.stdout, proc.stdout + proc.stderr
+            reports[contract] = proc.stdout
+        return reports[contract]
+
+    return report
+
+
+@pytest.mark.parametrize("probe", PROBES, ids=lambda p: f"{p.contract}:{p.target}:{p.kind}")
+def test_make_lint_names_a_planted_import_under_its_rule(
+    probe: Probe, planted: Callable[[str], str]
+) -> None:
+    assert f"{probe.importer} -> {probe.target} " in planted(probe.contract)
+
+
+def test_make_lint_wants_every_top_level_module_placed_in_a_layer(
+    planted: Callable[[str], str],
+) -> None:
+    assert "- flotilla.unplaced" in planted("layers")
+
+
+def test_make_lint_finds_a_circle_through_a_lazy_import(planted: Callable[[str], str]) -> None:
+    report = planted("acyclic")
+    assert "No cycles are allowed in flotilla.core." in report
+    assert ".probe_a -> .probe_b" in report or ".probe_b -> .probe_a" in report
