@@ -29,6 +29,7 @@ lint:
 	$(VENV)/bin/ruff check flotilla tests benchmarks
 	$(VENV)/bin/ruff format --check flotilla tests benchmarks
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 bench:
 	$(PY) benchmarks/federation.py --quick

@@ -351,9 +351,9 @@ def _remote(args: argparse.Namespace) -> Any:
 
 
 def _job_submit(args: argparse.Namespace) -> int:
-    from flotilla.simulation.experiment import job_specs
+    from flotilla.core.jobfile import load_job_specs
 
-    specs = job_specs(args.spec, args.set)
+    specs = load_job_specs(args.spec, args.set)
     if args.job is not None:
         specs = tuple(s for s in specs if s.job.name == args.job)
         if not specs:

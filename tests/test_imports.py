@@ -1,4 +1,10 @@
-"""Import hygiene: light installs stay light, layers stay apart, every export exists."""
+"""Heavy imports are lazy: what a fresh interpreter holds right after ``import X``.
+
+This sees module-level imports only, so it is the runtime half of the layer rules: light
+installs stay light, and a package's ``__init__`` does not drag in its heavy siblings. An
+import inside a function is a dependency too; those are checked by import-linter
+(``make lint``, ``[tool.importlinter]``) and by tests/test_architecture.py.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from tests.support.lifetime import die_with_test
 
 SUBPACKAGES = [
     "core", "compression", "aggregation", "scheduling", "engine", "client", "tasks", "server",
-    "proto", "simulation",
+    "proto", "simulation", "p2p",
 ]  # fmt: skip
 
 
@@ -25,9 +31,21 @@ HEAVY_CHECKS = {
     "flotilla.engine": ("flotilla.server", "flotilla.client", "torch", "sqlalchemy", "grpc"),
     "flotilla.aggregation": ("flotilla.server", "flotilla.client", "torch", "grpc"),
     "flotilla.scheduling": ("flotilla.server", "flotilla.client", "torch", "grpc"),
+    # Simulated devices run the update pipeline, not the agent: no grpc, no client.agent.
     "flotilla.simulation": (
-        "flotilla.server", "torch", "sqlalchemy", "aiohttp", "ray", "matplotlib", "sklearn",
+        "flotilla.server", "flotilla.client.agent", "flotilla.p2p", "torch", "sqlalchemy",
+        "aiohttp", "ray", "matplotlib", "sklearn", "grpc", "hivemind",
     ),
+    # What simulation and p2p may share with the agent must not load the agent and grpc.
+    "flotilla.client.training": (
+        "flotilla.client.agent", "flotilla.server", "grpc", "sqlalchemy", "hivemind",
+    ),
+    # `flotilla --help` and `flotilla job submit` start without the engine or simulator.
+    "flotilla.cli": (
+        "flotilla.server", "flotilla.simulation", "flotilla.engine", "flotilla.p2p", "torch",
+        "grpc", "sqlalchemy", "hivemind",
+    ),
+    "flotilla.core.jobfile": ("flotilla.simulation", "flotilla.engine", "torch", "grpc"),
     "flotilla.compression": (
         "flotilla.server", "flotilla.client", "flotilla.aggregation", "torch", "grpc",
         "sqlalchemy",
@@ -35,38 +53,73 @@ HEAVY_CHECKS = {
 }  # fmt: skip
 
 
+#: Every module of the package imported, so a module added later is covered too.
+PACKAGE_CHECKS = {
+    "flotilla.server": (
+        "flotilla.client", "flotilla.p2p", "flotilla.simulation", "hivemind", "torch",
+    ),
+    "flotilla.client": (
+        "flotilla.server", "flotilla.simulation", "flotilla.engine", "sqlalchemy", "aiohttp",
+        "hivemind",
+    ),
+    "flotilla.p2p": (
+        "flotilla.server", "flotilla.client", "flotilla.engine", "flotilla.simulation",
+        "sqlalchemy", "grpc",
+    ),
+}  # fmt: skip
+
+_IMPORT_ALL = """
+import importlib, pkgutil
+package = importlib.import_module({name!r})
+for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+    importlib.import_module(info.name)
+"""
+
+
 @pytest.fixture(scope="module")
 def loaded_by() -> dict[str, set[str]]:
-    """The modules a fresh interpreter holds after importing each module (run in parallel)."""
+    """The modules a fresh interpreter holds after importing each module, or each package
+    with all its modules (run in parallel)."""
+    scripts = {module: f"import {module}" for module in HEAVY_CHECKS}
+    scripts.update({f"{name}.*": _IMPORT_ALL.format(name=name) for name in PACKAGE_CHECKS})
     procs = {
-        module: subprocess.Popen(
+        key: subprocess.Popen(
             [
                 sys.executable,
                 "-c",
-                f"import json, sys, {module}; print(json.dumps(list(sys.modules)))",
+                f"{code}\nimport json, sys\nprint(json.dumps(list(sys.modules)))",
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             preexec_fn=die_with_test,
         )
-        for module in HEAVY_CHECKS
+        for key, code in scripts.items()
     }
     out: dict[str, set[str]] = {}
-    for module, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=60)
+    for key, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr
-        out[module] = set(json.loads(stdout.splitlines()[-1]))
+        out[key] = set(json.loads(stdout.splitlines()[-1]))
     return out
 
 
 def _offenders(loaded: set[str], forbidden: tuple[str, ...]) -> list[str]:
-    return sorted(m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden))
+    """The forbidden modules loaded: ours by name, third-party ones by distribution."""
+    hits = {m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)}
+    return sorted({m if m.startswith("flotilla.") else m.split(".")[0] for m in hits})
 
 
 @pytest.mark.parametrize("module", list(HEAVY_CHECKS))
 def test_importing_loads_nothing_heavy(module: str, loaded_by: dict[str, set[str]]) -> None:
     assert _offenders(loaded_by[module], HEAVY_CHECKS[module]) == []
+
+
+@pytest.mark.parametrize("package", list(PACKAGE_CHECKS))
+def test_no_module_of_the_package_loads_what_it_must_not(
+    package: str, loaded_by: dict[str, set[str]]
+) -> None:
+    assert _offenders(loaded_by[f"{package}.*"], PACKAGE_CHECKS[package]) == []
 
 
 def test_core_imports_nothing_else_of_flotilla(loaded_by: dict[str, set[str]]) -> None:

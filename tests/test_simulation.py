@@ -496,7 +496,7 @@ aggregation = { strategy = "fedbuff", params = { buffer_size = 3 } }
 
 
 def test_an_experiment_file_submits_its_jobs_to_a_real_server(tmp_path: Path) -> None:
-    from flotilla.simulation.experiment import job_specs
+    from flotilla.core.jobfile import load_job_specs as job_specs
 
     body = """
 [[jobs]]

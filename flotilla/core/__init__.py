@@ -2,6 +2,7 @@
 
 - ``errors``: the :class:`FlotillaError` tree.
 - ``spec``: :class:`JobSpec` from TOML, unknown fields refused by name.
+- ``jobfile``: job files (one job, or ``[[jobs]]``), as ``flotilla job submit`` reads them.
 - ``tensors``: model states and the safe safetensors wire format.
 - ``blobs``: chunking and SHA-256 checking of blobs in transit.
 - ``blobstore``: :class:`BlobStore`, content-addressed checkpoints on disk.

@@ -167,12 +167,7 @@ class JobSpec:
     def load(cls, path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
         """Read a TOML file and apply ``section.field=value`` overrides."""
         path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise SpecError(f"{path}: no such file") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise SpecError(f"{path}: not valid TOML: {exc}") from exc
+        data = read_toml(path)
         for item in overrides:
             apply_override(data, item, str(path))
         return cls.from_dict(data, str(path))
@@ -230,6 +225,17 @@ def _check_job(spec: JobSpec) -> None:
     for name, value in (("scheduling.alpha", sched.alpha), ("scheduling.beta", sched.beta)):
         if not value >= 0.0 or not math.isfinite(value):
             raise SpecError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file's tables; a missing or malformed file is a :class:`SpecError`."""
+    try:
+        data: dict[str, Any] = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise SpecError(f"{path}: no such file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{path}: not valid TOML: {exc}") from exc
+    return data
 
 
 def apply_override(data: dict[str, Any], item: str, source: str = "<overrides>") -> None:
