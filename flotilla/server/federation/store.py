@@ -27,6 +27,13 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.sql.dml import Insert
 
+from flotilla.core.commit_rules import (
+    check_commit,
+    check_next_round,
+    check_state,
+    check_transition,
+    state_after,
+)
 from flotilla.core.errors import (
     ConflictError,
     JobStateError,
@@ -34,9 +41,7 @@ from flotilla.core.errors import (
     RoundConflict,
 )
 from flotilla.core.records import (
-    JOB_STATES,
     RESUMABLE_STATES,
-    TERMINAL_STATES,
     DeviceRecord,
     JobRecord,
     ParticipationRecord,
@@ -193,22 +198,6 @@ def _participation_record(row: ParticipationRow) -> ParticipationRecord:
     )
 
 
-def _check_state(state: str) -> None:
-    if state not in JOB_STATES:
-        raise ValueError(f"unknown job state {state!r}; expected one of {', '.join(JOB_STATES)}")
-
-
-def _check_commit(c: RoundCommit) -> None:
-    if c.round < 1:
-        raise ValueError(f"round numbers start at 1, got {c.round}")
-    for p in c.participants:
-        if p.job_id != c.job_id or p.round != c.round:
-            raise ValueError(
-                f"participant {p.device_id!r} is for job {p.job_id!r} round {p.round}, "
-                f"not job {c.job_id!r} round {c.round}"
-            )
-
-
 class Store:
     """Async access to the server's tables; build one with :meth:`Store.open`."""
 
@@ -355,7 +344,7 @@ class Store:
 
     async def add_job(self, job: JobRecord) -> None:
         """Insert a new job; a duplicate id is a :class:`ConflictError`."""
-        _check_state(job.state)
+        check_state(job.state)
         row = JobRow(
             id=job.id,
             name=job.name,
@@ -397,14 +386,13 @@ class Store:
 
     async def set_job_state(self, job_id: str, state: str) -> JobRecord:
         """Move a job to ``state``; a finished job stays finished (:class:`JobStateError`)."""
-        _check_state(state)
+        check_state(state)
         async with self._write.begin() as s:
             row = await s.get(JobRow, job_id, with_for_update=True)
             if row is None:
                 raise NotFoundError(f"unknown job {job_id!r}")
             if row.state != state:
-                if row.state in TERMINAL_STATES:
-                    raise JobStateError(f"job {job_id!r} is {row.state} and cannot become {state}")
+                check_transition(job_id, row.state, state)
                 row.state = state
                 row.updated_at = time.time()
             return _job_record(row)
@@ -442,7 +430,7 @@ class Store:
         job's next round and the job is not finished; the job is ``completed`` after its last
         round and ``running`` otherwise.
         """
-        _check_commit(c)
+        check_commit(c)
         where = f"round {c.round} of job {c.job_id!r}"
         try:
             async with self._write.begin() as s:
@@ -451,15 +439,7 @@ class Store:
                 job = await s.get(JobRow, c.job_id, with_for_update=True)
                 if job is None:
                     raise NotFoundError(f"unknown job {c.job_id!r}")
-                if job.state in TERMINAL_STATES:
-                    raise RoundConflict(f"{where} refused: the job is {job.state}")
-                if c.round != job.rounds_committed + 1:
-                    raise RoundConflict(
-                        f"{where} refused: {job.rounds_committed} rounds are committed, "
-                        f"so the next is {job.rounds_committed + 1}"
-                    )
-                if c.round > job.rounds_total:
-                    raise RoundConflict(f"{where} refused: the job has {job.rounds_total} rounds")
+                check_next_round(c, job.state, job.rounds_committed, job.rounds_total)
                 if await s.get(RoundRow, (c.job_id, c.round)) is not None:
                     raise RoundConflict(f"{where} refused: it is already committed")
                 await s.execute(
@@ -502,7 +482,7 @@ class Store:
                 job.scheduler_sha256 = c.scheduler_sha256
                 job.metrics_json = _floats(c.metrics)
                 job.updated_at = c.committed_at
-                job.state = "completed" if c.round == job.rounds_total else "running"
+                job.state = state_after(c, job.rounds_total)
                 await s.flush()
                 return _job_record(job)
         except IntegrityError as exc:
