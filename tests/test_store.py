@@ -376,6 +376,7 @@ async def test_a_database_from_before_a_new_column_is_upgraded_in_place(
     await store.add_job(make_job("job-old"))
     async with store._write_engine.begin() as conn:  # as an earlier release left it
         await conn.exec_driver_sql("ALTER TABLE jobs DROP COLUMN scheduler_sha256")
+        await conn.exec_driver_sql("DROP TABLE alembic_version")  # (before migrations)
     await store.close()
     reopened = await Store.open(store_url)
     try:

@@ -8,14 +8,13 @@ under a row lock on the job (PostgreSQL) or a write lock on the file (SQLite).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import event, insert, inspect, select, update
+from sqlalchemy import event, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL, Connection, make_url
@@ -48,6 +47,7 @@ from flotilla.core.records import (
     RoundCommit,
     RoundRecord,
 )
+from flotilla.server.federation import migrations
 from flotilla.server.federation.schema import (
     Base,
     CheckpointRow,
@@ -103,25 +103,6 @@ def async_url(url: str) -> URL:
     return parsed.set(drivername=name)
 
 
-def _add_new_columns(conn: Connection) -> None:
-    """Columns added to the schema since a database was created, added to it in place
-    (each has a constant default), so a state dir from an earlier release keeps working."""
-    inspector = inspect(conn)
-    for table in Base.metadata.sorted_tables:
-        present = {c["name"] for c in inspector.get_columns(table.name)}
-        for column in table.columns:
-            if column.name in present:
-                continue
-            default = column.default.arg if column.default is not None else None
-            if default is None or callable(default):
-                raise RuntimeError(f"cannot add column {table.name}.{column.name} in place")
-            kind = column.type.compile(dialect=conn.dialect)
-            literal = conn.dialect.identifier_preparer.quote(column.name)
-            conn.exec_driver_sql(
-                f"ALTER TABLE {table.name} ADD COLUMN {literal} {kind} NOT NULL DEFAULT {default!r}"
-            )
-
-
 def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     # Take BEGIN away from the sqlite3 driver (which skips it for SELECT and DDL) so the
     # "begin" hook below controls when and how each transaction starts.
@@ -140,30 +121,17 @@ def _on_sqlite_begin(conn: Connection) -> None:
     conn.exec_driver_sql(f"BEGIN {mode}")
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _floats(value: Mapping[str, float]) -> str:
-    return _dumps({str(k): float(v) for k, v in value.items()})
-
-
-def _load_floats(text: str) -> dict[str, float]:
-    data = json.loads(text) if text else {}
-    return {str(k): float(v) for k, v in data.items()}
-
-
-def _load_strs(text: str) -> tuple[str, ...]:
-    data = json.loads(text) if text else []
-    return tuple(str(v) for v in data)
+def _floats(value: Mapping[str, float]) -> dict[str, float]:
+    """A fresh ``{str: float}`` for a JSON column: metrics may hold numpy scalars."""
+    return {str(k): float(v) for k, v in value.items()}
 
 
 def _device_record(row: DeviceRow) -> DeviceRecord:
     return DeviceRecord(
         id=row.id,
         credential_hash=row.credential_hash,
-        tasks=_load_strs(row.tasks_json),
-        profile=_load_floats(row.profile_json),
+        tasks=tuple(row.tasks_json),
+        profile=dict(row.profile_json),
         enrolled_at=row.enrolled_at,
         last_seen_at=row.last_seen_at,
     )
@@ -180,7 +148,7 @@ def _job_record(row: JobRow) -> JobRecord:
         checkpoint_sha256=row.checkpoint_sha256,
         created_at=row.created_at,
         updated_at=row.updated_at,
-        metrics=_load_floats(row.metrics_json),
+        metrics=dict(row.metrics_json),
         aggregator_sha256=row.aggregator_sha256,
         scheduler_sha256=row.scheduler_sha256,
     )
@@ -194,7 +162,7 @@ def _participation_record(row: ParticipationRow) -> ParticipationRecord:
         num_samples=row.num_samples,
         started_at=row.started_at,
         finished_at=row.finished_at,
-        metrics=_load_floats(row.metrics_json),
+        metrics=dict(row.metrics_json),
     )
 
 
@@ -217,7 +185,8 @@ class Store:
 
     @classmethod
     async def open(cls, url: str) -> Store:
-        """Connect, and create any missing tables (existing rows are left alone)."""
+        """Connect, and create or upgrade the schema to the newest revision (see
+        :mod:`~flotilla.server.federation.migrations`); existing rows are kept."""
         target = async_url(url)
         if target.get_backend_name() == "sqlite":
             db = target.database or ""
@@ -231,8 +200,7 @@ class Store:
         store = cls(engine)
         try:
             async with store._write_engine.begin() as conn:
-                await conn.run_sync(Base.metadata.create_all)
-                await conn.run_sync(_add_new_columns)
+                await conn.run_sync(migrations.upgrade)
         except BaseException:
             await engine.dispose()
             raise
@@ -261,7 +229,8 @@ class Store:
         """Drop and recreate every table: for tests that share one PostgreSQL database."""
         async with self._write_engine.begin() as conn:
             await conn.run_sync(Base.metadata.drop_all)
-            await conn.run_sync(Base.metadata.create_all)
+            await conn.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
+            await conn.run_sync(migrations.upgrade)
 
     def _insert_ignore(self, model: type[Base], **values: Any) -> Insert:
         """INSERT that does nothing when the primary key exists, without aborting the txn."""
@@ -298,7 +267,7 @@ class Store:
         row = DeviceRow(
             id=device.id,
             credential_hash=device.credential_hash,
-            tasks_json=_dumps(list(device.tasks)),
+            tasks_json=list(device.tasks),
             profile_json=_floats(device.profile),
             enrolled_at=device.enrolled_at,
             last_seen_at=device.last_seen_at,
@@ -337,7 +306,7 @@ class Store:
             if last_seen_at is not None:
                 row.last_seen_at = last_seen_at
             if tasks is not None:
-                row.tasks_json = _dumps(list(tasks))
+                row.tasks_json = list(tasks)
             return _device_record(row)
 
     # -- jobs ------------------------------------------------------------------------------
@@ -510,7 +479,7 @@ class Store:
                     job_id=r.job_id,
                     round=r.round,
                     checkpoint_sha256=r.checkpoint_sha256,
-                    metrics=_load_floats(r.metrics_json),
+                    metrics=dict(r.metrics_json),
                     started_at=r.started_at,
                     committed_at=r.committed_at,
                     participants=tuple(by_round.get(r.round, ())),
