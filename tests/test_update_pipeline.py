@@ -8,6 +8,8 @@ an agent restart; their payloads must be identical, byte for byte.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,3 +136,15 @@ def test_state_carries_over_rounds_so_the_check_is_not_vacuous(tmp_path: Path) -
         forgetful.append(pipeline.encode("job-1", pipeline.smooth("job-1", delta)))
     assert forgetful[0] == simulated[0]
     assert forgetful[1] != simulated[1]
+
+
+def test_the_simulator_gets_the_pipeline_without_the_agent() -> None:
+    """Simulated devices share the pipeline through compression, not through the client."""
+    code = (
+        "import sys, flotilla.simulation; "
+        "print(sorted(m for m in sys.modules if m.startswith('flotilla.client') or m == 'grpc'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"
