@@ -131,9 +131,7 @@ class UpdatePipeline(Generic[K]):
         feedback = None
         if self.residuals is not None:
             feedback = ErrorFeedback(str(client))
-            held = self.residuals.get(client)
-            if held is not None:
-                feedback.load_state_dict(held)
+            feedback.load_state_dict(_matching(self.residuals.get(client), delta, client))
         payload = encode_state_with(self.codec, delta, self.entropy(), feedback)
         if feedback is not None and self.residuals is not None:
             self.residuals.put(client, feedback.state_dict())
@@ -155,7 +153,7 @@ def _matching(held: ModelState | None, like: ModelState, client: object) -> Mode
             continue
         if arr.shape != np.shape(value):
             log.warning(
-                "momentum of client %s: %r has shape %s, tensor has %s; dropped",
+                "saved state of client %s: %r has shape %s, tensor has %s; dropped",
                 client, name, arr.shape, np.shape(value),
             )  # fmt: skip
             continue

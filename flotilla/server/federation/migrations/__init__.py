@@ -27,6 +27,9 @@ BASELINE = "0001"
 HEAD = "0002"
 #: Columns earlier releases added to existing tables in place (constant default, NOT NULL).
 LEGACY_COLUMNS = (("jobs", "aggregator_sha256"), ("jobs", "scheduler_sha256"))
+#: PostgreSQL advisory lock key ("flotilla" in ASCII): servers starting together migrate
+#: one at a time. SQLite needs none: the migration runs in a write (IMMEDIATE) transaction.
+_PG_LOCK = 0x666C6F74696C6C61
 
 
 def config(connection: Connection) -> Config:
@@ -40,6 +43,8 @@ def config(connection: Connection) -> Config:
 def upgrade(connection: Connection) -> None:
     """Bring the database behind ``connection`` to the newest schema (creating it if empty)."""
     cfg = config(connection)
+    if connection.dialect.name == "postgresql":  # held until the caller's transaction ends
+        connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_LOCK})")
     tables = set(inspect(connection).get_table_names())
     if "alembic_version" not in tables and "jobs" in tables:
         log.info("adopting a database from before schema migrations")
