@@ -226,11 +226,15 @@ class Store:
         return self._dialect
 
     async def wipe(self) -> None:
-        """Drop and recreate every table: for tests that share one PostgreSQL database."""
+        """Delete every row (the schema stays, as ``open`` left it): for tests that share one
+        PostgreSQL database."""
+        tables = [t.name for t in reversed(Base.metadata.sorted_tables)]
         async with self._write_engine.begin() as conn:
-            await conn.run_sync(Base.metadata.drop_all)
-            await conn.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
-            await conn.run_sync(migrations.upgrade)
+            if self._dialect == "postgresql":
+                await conn.exec_driver_sql(f"TRUNCATE TABLE {', '.join(tables)}")
+            else:
+                for name in tables:  # children first, for the foreign keys
+                    await conn.exec_driver_sql(f"DELETE FROM {name}")
 
     def _insert_ignore(self, model: type[Base], **values: Any) -> Insert:
         """INSERT that does nothing when the primary key exists, without aborting the txn."""
