@@ -55,7 +55,7 @@ import psutil
 from provenance import revision  # benchmarks/ is the script's sys.path[0]
 
 from flotilla.client.agent import Agent, AgentConfig
-from flotilla.client.training import TrainOutcome
+from flotilla.client.training import TrainOutcome, TrainWork
 from flotilla.core.blobs import CHUNK_BYTES, sha256_hex
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import decode_state, encode_state
@@ -278,7 +278,7 @@ class CannedTrainer:
     update: SharedUpdate
     num_samples: int = 8
 
-    def train(self, model_bytes: bytes | memoryview, work: pb.TrainTask) -> TrainOutcome:
+    def train(self, model_bytes: bytes | memoryview, work: TrainWork) -> TrainOutcome:
         payload = self.update.get(model_bytes)
         return TrainOutcome(self.num_samples, {"loss": 1.0}, payload, self.update.sha256)
 

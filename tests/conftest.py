@@ -10,14 +10,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.support.lifetime import die_with_test
+
+if TYPE_CHECKING:
+    from flotilla.server.federation.store import Store
 
 # Many agent processes share a couple of cores here: one math thread each, or torch's
 # spinning thread pools fight over the cores and a 5 ms step takes 50 ms. Set before any
@@ -26,6 +29,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 DIGITS = "flotilla.tasks.digits:DigitsTask"
 POSTGRES_URL = os.environ.get("FLOTILLA_TEST_POSTGRES_URL")
+
+
+def database_params() -> list[Any]:
+    """Every database a store runs on: SQLite always, PostgreSQL too when
+    FLOTILLA_TEST_POSTGRES_URL is set (the param exists only then, so it is never skipped)."""
+    params: list[Any] = [pytest.param("sqlite", id="sqlite")]
+    if POSTGRES_URL:
+        params.append(pytest.param("postgresql", id="postgresql", marks=pytest.mark.postgres))
+    return params
 
 
 def server_database_params() -> list[str]:
@@ -226,6 +238,40 @@ def _wipe_postgres(url: str) -> None:
         await store.close()
 
     asyncio.run(wipe())
+
+
+def database_url(param: str, tmp_path: Path) -> str:
+    """The URL for one of ``database_params``: a fresh SQLite file, or the test PostgreSQL
+    database (shared: :func:`open_empty_store` wipes it)."""
+    if param == "sqlite":
+        return f"sqlite:///{tmp_path / 'state' / 'flotilla.db'}"
+    assert POSTGRES_URL is not None
+    return POSTGRES_URL
+
+
+async def open_empty_store(url: str) -> Store:
+    from flotilla.server.federation.store import Store
+
+    s = await Store.open(url)
+    if s.dialect == "postgresql":
+        await s.wipe()
+    return s
+
+
+@pytest.fixture(params=database_params())
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A database URL for a :class:`Store`, once per database."""
+    return database_url(request.param, tmp_path)
+
+
+@pytest.fixture
+async def store(store_url: str) -> AsyncIterator[Store]:
+    """An open, empty :class:`Store` on each database (see ``store_url``)."""
+    s = await open_empty_store(store_url)
+    try:
+        yield s
+    finally:
+        await s.close()
 
 
 @pytest.fixture(params=server_database_params())

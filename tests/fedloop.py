@@ -13,12 +13,12 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flotilla.client.training import LocalTrainer
+from flotilla.client.training import LocalTrainer, TrainWork
+from flotilla.core.round_config import RoundConfig
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import decode_state, encode_state, state_spec
 from flotilla.engine import JobPlan
 from flotilla.engine.evaluation import initial_model, server_evaluator
-from flotilla.proto import flotilla_pb2 as pb
 from flotilla.server.agent_service import decode_update
 from flotilla.tasks import Shard
 
@@ -65,10 +65,11 @@ def run_federation(
     try:
         for round_no in range(1, rounds + 1):
             config = plan.client_config_json(layout, aggregator.client_config())
-            order = pb.TrainTask(
-                job_id="loop", round=round_no, round_token="t", config_json=config,
-                seed=(spec.job.seed * 1_000_003 + round_no) % 2**63,
-            )  # fmt: skip
+            order = TrainWork(
+                "loop",
+                (spec.job.seed * 1_000_003 + round_no) % 2**63,
+                RoundConfig.from_json(config),
+            )
             if plan.traits.needs_sampling_rate:
                 aggregator.check_budget(per_round / clients)  # type: ignore[attr-defined]
             aggregator.begin(round_no, model)

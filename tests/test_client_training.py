@@ -8,22 +8,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flotilla.client import LocalTrainer
+from flotilla.client import LocalTrainer, TrainWork
 from flotilla.core.errors import TaskLoadError
+from flotilla.core.round_config import RoundConfig
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import decode_state, encode_state, state_spec
-from flotilla.proto import flotilla_pb2 as pb
 from flotilla.tasks import DigitsTask, Shard, model_state
 
 DIGITS = "flotilla.tasks.digits:DigitsTask"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"
 
 
-def work_order(spec: JobSpec, seed: int = 1) -> pb.TrainTask:
+def work_order(spec: JobSpec, seed: int = 1) -> TrainWork:
     config = {"train": spec.to_dict()["train"], "data": spec.to_dict()["data"]}
-    return pb.TrainTask(
-        job_id="j", round=1, round_token="t", config_json=json.dumps(config), seed=seed
-    )
+    return TrainWork("j", seed, RoundConfig.from_json(json.dumps(config)))
 
 
 def test_delta_moves_the_model_and_matches_its_layout() -> None:
@@ -73,14 +71,14 @@ def test_data_flag_on_a_task_without_files_is_refused(tmp_path: Path) -> None:
         trainer.train(encode_state(state), work_order(JobSpec()))
 
 
-def plan_order(spec: JobSpec, job_id: str = "j", seed: int = 1) -> pb.TrainTask:
+def plan_order(spec: JobSpec, job_id: str = "j", seed: int = 1) -> TrainWork:
     """A work order exactly as the engine writes it for ``spec``."""
     from flotilla.engine import JobPlan
 
     plan = JobPlan.from_spec(spec)
     layout = state_spec(model_state(DigitsTask().build_model(0)))
     config = plan.client_config_json(layout, {})
-    return pb.TrainTask(job_id=job_id, round=1, round_token="t", config_json=config, seed=seed)
+    return TrainWork(job_id, seed, RoundConfig.from_json(config))
 
 
 def test_the_uplink_codec_shrinks_the_update_and_the_server_decodes_it() -> None:

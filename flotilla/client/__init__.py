@@ -1,16 +1,35 @@
 """The client agent that runs on a device.
 
 - ``agent``: :class:`Agent` and :class:`AgentConfig`: enrol, poll, train, upload, reconnect.
-- ``training``: :class:`LocalTrainer`: a task's training turned into an encoded update.
+- ``training``: :class:`LocalTrainer`: a task's training turned into an encoded update
+  (:class:`TrainWork` in, :class:`TrainOutcome` out).
 - ``channel``: gRPC channel options, device credentials, backoff.
 - ``profile``: what the agent measures about its device.
 
-Never imports server code: a device installs ``flotilla[agent]`` only.
+Never imports server code: a device installs ``flotilla[agent]`` only. Exports load lazily,
+so ``import flotilla.client.training`` does not bring in the agent and grpc.
 """
 
-from flotilla.client.agent import Agent, AgentConfig
-from flotilla.client.channel import Backoff, DeviceCredential, open_channel
-from flotilla.client.training import LocalTrainer, TrainOutcome
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flotilla.client.agent import Agent, AgentConfig
+    from flotilla.client.channel import Backoff, DeviceCredential, open_channel
+    from flotilla.client.training import LocalTrainer, TrainOutcome, TrainWork
+
+_EXPORTS = {
+    "Agent": "flotilla.client.agent",
+    "AgentConfig": "flotilla.client.agent",
+    "Backoff": "flotilla.client.channel",
+    "DeviceCredential": "flotilla.client.channel",
+    "open_channel": "flotilla.client.channel",
+    "LocalTrainer": "flotilla.client.training",
+    "TrainOutcome": "flotilla.client.training",
+    "TrainWork": "flotilla.client.training",
+}
 
 __all__ = [
     "Agent",
@@ -19,5 +38,12 @@ __all__ = [
     "DeviceCredential",
     "LocalTrainer",
     "TrainOutcome",
+    "TrainWork",
     "open_channel",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'flotilla.client' has no attribute {name!r}")

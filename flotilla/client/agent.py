@@ -24,11 +24,12 @@ import grpc
 
 from flotilla.client.channel import RETRYABLE, Backoff, DeviceCredential, open_channel
 from flotilla.client.profile import matmul_gflops, memory_bytes
-from flotilla.client.training import LocalTrainer, TrainOutcome
+from flotilla.client.training import LocalTrainer, TrainOutcome, TrainWork
 from flotilla.core.allreduce import Contribution, PeerOptions
 from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
 from flotilla.core.errors import AuthError, FlotillaError
 from flotilla.core.files import write_private
+from flotilla.core.round_config import RoundConfig
 from flotilla.core.timeouts import Timeouts
 from flotilla.proto import PROTOCOL_VERSION, bulk
 from flotilla.proto import flotilla_pb2 as pb
@@ -257,7 +258,8 @@ class Agent:
         beat = asyncio.ensure_future(self._heartbeat(task.round_token, round_open))
         try:
             model = await self._fetch(task)
-            outcome = await asyncio.to_thread(self.config.trainer.train, model, task)
+            work = TrainWork(task.job_id, int(task.seed), RoundConfig.from_json(task.config_json))
+            outcome = await asyncio.to_thread(self.config.trainer.train, model, work)
             if not round_open.is_set():
                 log.info(
                     "round %d of %s closed while training; not uploading", task.round, task.job_id
@@ -283,8 +285,6 @@ class Agent:
     ) -> None:
         """A server-less round: all-reduce with the group, report the model it agreed on,
         upload the average when asked; until the round closes, in case the server asks."""
-        from flotilla.client.training import RoundConfig
-
         try:
             from flotilla.p2p.federated import UpdateAverager, agreed_model
         except ImportError as exc:
@@ -437,7 +437,6 @@ class Agent:
 
 def rebuild_model(base: memoryview, delta: memoryview, task: pb.TrainTask) -> memoryview:
     """safetensors of ``base + decode(delta)``, checked against the task's model SHA-256."""
-    from flotilla.client.training import RoundConfig
     from flotilla.compression import apply_delta, decode_state_with, make_codec
     from flotilla.core.errors import IntegrityError
     from flotilla.core.tensors import decode_state, encode_state

@@ -8,28 +8,30 @@ momentum) lives in the agent's state dir, so it survives a restart of the agent.
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from flotilla.compression import (
-    CodecContext,
-    ErrorFeedback,
-    decode_state_with,
-    encode_state_with,
-    make_codec,
-)
-from flotilla.core.allreduce import GroupPlan
+from flotilla.compression import CodecContext, make_codec
+from flotilla.compression.broadcast import decode_model
+from flotilla.compression.pipeline import FileStates, MemoryStates, StateStore, UpdatePipeline
 from flotilla.core.blobs import sha256_hex
-from flotilla.core.errors import TaskLoadError, WireError
-from flotilla.core.spec import CompressionSection, DataSection, TrainSection, build_dataclass
-from flotilla.core.tensors import ModelState, TensorSpec, decode_state, encode_state, state_spec
+from flotilla.core.errors import TaskLoadError
+from flotilla.core.round_config import RoundConfig
+from flotilla.core.spec import DataSection
+from flotilla.core.tensors import ModelState
 from flotilla.core.update import COMPUTE_METRIC
-from flotilla.proto import flotilla_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class TrainWork:
+    """What a device needs to train one round: the agent builds it from the server's task."""
+
+    job_id: str
+    seed: int
+    config: RoundConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,41 +53,6 @@ class TrainOutcome:
             object.__setattr__(self, "payload_sha256", sha256_hex(self.payload))
 
 
-@dataclass(frozen=True, slots=True)
-class RoundConfig:
-    """What the server sends with a task, parsed and checked."""
-
-    train: TrainSection
-    data: DataSection
-    compression: CompressionSection
-    #: The model's layout; sent when the broadcast is a codec payload, which needs it.
-    layout: tuple[TensorSpec, ...] | None = None
-    #: Server-less rounds: how this round's devices all-reduce their updates.
-    p2p: GroupPlan | None = None
-
-    @classmethod
-    def from_json(cls, text: str) -> RoundConfig:
-        where = "task config"
-        try:
-            raw = json.loads(text)
-            layout = raw.get("layout")
-            specs = None
-            if layout is not None:
-                specs = tuple(
-                    TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in layout
-                )
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise WireError(f"{where} is malformed: {exc}") from exc
-        p2p = raw.get("p2p")
-        return cls(
-            build_dataclass(TrainSection, raw.get("train", {}), where, "train."),
-            build_dataclass(DataSection, raw.get("data", {}), where, "data."),
-            build_dataclass(CompressionSection, raw.get("compression", {}), where, "compression."),
-            specs,
-            None if p2p is None else GroupPlan.from_dict(p2p),
-        )
-
-
 @dataclass(slots=True)
 class LocalTrainer:
     """Runs a task on this device's shard. Called in a worker thread, one round at a time."""
@@ -96,10 +63,20 @@ class LocalTrainer:
     data_path: Path | None = None
     #: Where per-job residuals and update momentum are kept; None keeps them in memory.
     state_dir: Path | None = None
+    #: The uplink codec's randomness; fresh OS entropy unless a test replays an encoding.
+    entropy: Callable[[], CodecContext] = CodecContext
     _task: Any = field(default=None, init=False)
     _data: dict[str, Any] = field(default_factory=dict, init=False)
-    _feedback: dict[str, ErrorFeedback] = field(default_factory=dict, init=False)
-    _momentum: dict[str, ErrorFeedback] = field(default_factory=dict, init=False)
+    _residuals: StateStore[str] = field(init=False)
+    _velocity: StateStore[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Per job (keyed by job id), across rounds; files survive an agent restart.
+        if self.state_dir is None:
+            self._residuals, self._velocity = MemoryStates[str](), MemoryStates[str]()
+        else:
+            self._residuals = FileStates(self.state_dir)
+            self._velocity = FileStates(self.state_dir, prefix="momentum:")
 
     def _load(self) -> Any:
         if self._task is None:
@@ -115,11 +92,22 @@ class LocalTrainer:
             raise TaskLoadError(f"task {self.task_name} does not read local files (--data)")
         return task.load_path(self.data_path, data_cfg)
 
-    def train(self, model_bytes: bytes | memoryview, work: pb.TrainTask) -> TrainOutcome:
+    def pipeline(self, config: RoundConfig) -> UpdatePipeline[str]:
+        """The job's update pipeline over this device's stored momentum and residuals."""
+        spec = config.compression
+        return UpdatePipeline(
+            make_codec(spec.uplink, spec.uplink_params),
+            config.train.update_momentum,
+            residuals=self._residuals if spec.error_feedback else None,
+            velocity=self._velocity,
+            entropy=self.entropy,
+        )
+
+    def train(self, model_bytes: bytes | memoryview, work: TrainWork) -> TrainOutcome:
         from flotilla.tasks import load_model_state, model_state
 
         task = self._load()
-        config = RoundConfig.from_json(work.config_json)
+        config = work.config
         key = config.data.key()
         if key not in self._data:
             self._data = {key: self._load_data(task, config.data)}
@@ -128,67 +116,17 @@ class LocalTrainer:
         model = task.build_model(0)
         load_model_state(model, global_state)
         started = time.perf_counter()
-        num_samples, metrics = task.train(model, data, config.train, int(work.seed))
+        num_samples, metrics = task.train(model, data, config.train, work.seed)
         # Reported so the server's scheduler can tell compute from transfer time.
         metrics = {**metrics, COMPUTE_METRIC: time.perf_counter() - started}
         metrics = {**metrics, **task.evaluate(model, data.val)}
+        metrics = {k: float(v) for k, v in metrics.items()}
         local = model_state(model)
-        delta = {name: local[name] - global_state[name] for name in global_state}
+        delta: ModelState = {name: local[name] - global_state[name] for name in global_state}
         del local, model
-        delta = self._smooth(work.job_id, delta, config.train.update_momentum)
+        pipeline = self.pipeline(config)
+        delta = pipeline.smooth(work.job_id, delta)
         if config.p2p is not None:  # averaged with the group, compressed on hivemind's wire
-            metrics = {k: float(v) for k, v in metrics.items()}
             return TrainOutcome(int(num_samples), metrics, b"", delta=delta)
-        payload = self._encode(work, delta, config.compression)
-        return TrainOutcome(
-            int(num_samples),
-            {k: float(v) for k, v in metrics.items()},
-            payload,
-            codec=config.compression.uplink,
-        )
-
-    def _smooth(self, job_id: str, delta: ModelState, beta: float) -> ModelState:
-        """Update momentum: m = beta*m + (1-beta)*delta, kept per job across rounds."""
-        if beta <= 0:
-            return delta
-        store = self._job_state(self._momentum, f"momentum:{job_id}", delta)
-        out: ModelState = {}
-        for name, value in delta.items():
-            previous = store.residual(name, value.shape)
-            m = (1.0 - beta) * value if previous is None else beta * previous + (1 - beta) * value
-            out[name] = np.asarray(m, dtype=np.float32)
-        store.load_state_dict(out)
-        store.save()
-        return out
-
-    def _encode(self, work: pb.TrainTask, delta: ModelState, spec: CompressionSection) -> bytes:
-        codec = make_codec(spec.uplink, spec.uplink_params)
-        if codec.name == "none":
-            return encode_state(delta)  # plain safetensors: what every client can send
-        feedback = None
-        if spec.error_feedback:
-            feedback = self._job_state(self._feedback, work.job_id, delta)
-        # Fresh entropy: stochastic codecs must round independently on every device.
-        return encode_state_with(codec, delta, CodecContext(), feedback)
-
-    def _job_state(
-        self, cache: dict[str, ErrorFeedback], key: str, like: ModelState
-    ) -> ErrorFeedback:
-        if key not in cache:
-            layout = state_spec(like)
-            if self.state_dir is None:
-                cache[key] = ErrorFeedback(key)
-            else:
-                cache[key] = ErrorFeedback.load(key, self.state_dir, layout)
-        return cache[key]
-
-
-def decode_model(payload: bytes | memoryview, config: RoundConfig) -> ModelState:
-    """The broadcast model: plain safetensors, or the job's downlink codec payload."""
-    spec = config.compression
-    if spec.downlink == "none" or spec.downlink_delta:  # delta broadcasts rebuild whole models
-        return decode_state(payload)
-    if config.layout is None:
-        raise WireError("a compressed broadcast came without the model's layout")
-    codec = make_codec(spec.downlink, spec.downlink_params)
-    return decode_state_with(payload, config.layout, len(payload), codec=codec)
+        payload = pipeline.encode(work.job_id, delta)
+        return TrainOutcome(int(num_samples), metrics, payload, codec=config.compression.uplink)

@@ -10,14 +10,25 @@
   and their size bounds.
 - ``delta``: :func:`apply_delta`, the one arithmetic of a downlink delta broadcast.
 - ``feedback``: :class:`ErrorFeedback`, per-job residuals saved in the agent's state dir.
+- ``pipeline``: :class:`UpdatePipeline` (update momentum, codec, error feedback), the one
+  device-side pipeline of the agent and of simulated devices, over pluggable per-client
+  state stores (:class:`MemoryStates`, :class:`FileStates`).
+- ``broadcast``: :func:`decode_model`, the broadcast model as a device decodes it.
 
 Payloads are safetensors bytes (never pickle); see docs/compression.md.
 """
 
+from flotilla.compression.broadcast import decode_model
 from flotilla.compression.codec import Codec, CodecContext, Pieces
 from flotilla.compression.delta import apply_average, apply_delta
 from flotilla.compression.feedback import ErrorFeedback
 from flotilla.compression.floats import Bf16Codec, Fp16Codec, NoneCodec
+from flotilla.compression.pipeline import (
+    FileStates,
+    MemoryStates,
+    StateStore,
+    UpdatePipeline,
+)
 from flotilla.compression.quantize import Int4Codec, Int8Codec, QsgdCodec
 from flotilla.compression.registry import CODEC_NAMES, codec_from_metadata, make_codec
 from flotilla.compression.sparse import RandKCodec, TopKCodec
@@ -34,17 +45,22 @@ __all__ = [
     "Codec",
     "CodecContext",
     "ErrorFeedback",
+    "FileStates",
     "Fp16Codec",
     "Int4Codec",
     "Int8Codec",
+    "MemoryStates",
     "NoneCodec",
     "Pieces",
     "QsgdCodec",
     "RandKCodec",
+    "StateStore",
     "TopKCodec",
+    "UpdatePipeline",
     "apply_average",
     "apply_delta",
     "codec_from_metadata",
+    "decode_model",
     "decode_state_with",
     "encode_state_with",
     "make_codec",

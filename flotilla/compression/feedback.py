@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -38,10 +38,7 @@ class ErrorFeedback:
     @property
     def path(self) -> Path | None:
         """``<directory>/ef-<sha256(job id)[:32]>.safetensors``: any job id is a safe name."""
-        if self.directory is None:
-            return None
-        digest = hashlib.sha256(self.job_id.encode()).hexdigest()[:32]
-        return self.directory / f"ef-{digest}.safetensors"
+        return None if self.directory is None else state_path(self.directory, self.job_id)
 
     @classmethod
     def load(
@@ -52,46 +49,7 @@ class ErrorFeedback:
         With ``layout``, residuals for unknown tensors or of the wrong shape are dropped.
         """
         fb = cls(job_id, directory)
-        path = fb.path
-        assert path is not None
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            return fb
-        except OSError as exc:
-            log.warning("error feedback for job %s: cannot read %s: %s", job_id, path, exc)
-            return fb
-        try:
-            meta = read_metadata(raw, MAX_FILE_BYTES)
-            state = decode_state(raw, None, MAX_FILE_BYTES)
-        except WireError as exc:
-            log.warning(
-                "error feedback for job %s: %s is corrupt (%s); starting afresh", job_id, path, exc
-            )
-            return fb
-        if meta.get("format") != _FORMAT or meta.get("job_id") != job_id:
-            log.warning("error feedback file %s is not for job %s; ignored", path, job_id)
-            return fb
-        shapes = None if layout is None else {s.name: s.shape for s in layout}
-        for name, arr in state.items():
-            if shapes is not None and shapes.get(name) != arr.shape:
-                log.warning(
-                    "error feedback for job %s: dropping residual %r of shape %s (layout says %s)",
-                    job_id,
-                    name,
-                    arr.shape,
-                    shapes.get(name),
-                )
-            elif arr.dtype != np.float32 or not np.isfinite(arr).all():
-                log.warning(
-                    "error feedback for job %s: dropping residual %r (%s, non-finite "
-                    "or not float32)",
-                    job_id,
-                    name,
-                    arr.dtype,
-                )
-            else:
-                fb._residuals[name] = np.array(arr)
+        fb._residuals = read_state(state_path(directory, job_id), job_id, layout)
         return fb
 
     def __len__(self) -> int:
@@ -134,24 +92,8 @@ class ErrorFeedback:
 
     def save(self) -> None:
         """Write the residuals atomically (temp file, fsync, rename); owner-only permissions."""
-        path = self.path
-        if path is None:
-            return
-        payload = encode_state(self._residuals, {"format": _FORMAT, "job_id": self.job_id})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(payload)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        _fsync_dir(path.parent)
+        if self.directory is not None:
+            write_state(state_path(self.directory, self.job_id), self.job_id, self._residuals)
 
     def clear(self) -> None:
         """Forget every residual and delete the file (the job ended or its model changed)."""
@@ -160,6 +102,73 @@ class ErrorFeedback:
         if path is not None:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+
+
+def state_path(directory: Path, key: str) -> Path:
+    """``<directory>/ef-<sha256(key)[:32]>.safetensors``: any key is a safe file name."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return directory / f"ef-{digest}.safetensors"
+
+
+def read_state(
+    path: Path, key: str, layout: Iterable[TensorSpec] | None = None
+) -> dict[str, np.ndarray]:
+    """Tensors saved under ``key`` by :func:`write_state`; empty (with a warning) when the
+    file is absent, unreadable, corrupt or another key's. Non-finite or non-float32
+    tensors, and with ``layout`` unknown or misshapen ones, are dropped."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        log.warning("saved state %s: cannot read %s: %s", key, path, exc)
+        return {}
+    try:
+        meta = read_metadata(raw, MAX_FILE_BYTES)
+        state = decode_state(raw, None, MAX_FILE_BYTES)
+    except WireError as exc:
+        log.warning("saved state %s: %s is corrupt (%s); starting afresh", key, path, exc)
+        return {}
+    if meta.get("format") != _FORMAT or meta.get("job_id") != key:
+        log.warning("state file %s is not for job %s; ignored", path, key)
+        return {}
+    shapes = None if layout is None else {s.name: s.shape for s in layout}
+    out: dict[str, np.ndarray] = {}
+    for name, arr in state.items():
+        if shapes is not None and shapes.get(name) != arr.shape:
+            log.warning(
+                "saved state %s: dropping residual %r of shape %s (layout says %s)",
+                key, name, arr.shape, shapes.get(name),
+            )  # fmt: skip
+        elif arr.dtype != np.float32 or not np.isfinite(arr).all():
+            log.warning(
+                "saved state %s: dropping residual %r (%s, non-finite or not float32)",
+                key,
+                name,
+                arr.dtype,
+            )
+        else:
+            out[name] = np.array(arr)
+    return out
+
+
+def write_state(path: Path, key: str, state: Mapping[str, np.ndarray]) -> None:
+    """Save ``state`` under ``key`` atomically (temp file, fsync, rename), owner-only."""
+    payload = encode_state(dict(state), {"format": _FORMAT, "job_id": key})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(directory: Path) -> None:

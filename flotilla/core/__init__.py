@@ -9,6 +9,8 @@
 - ``update``: :class:`Update`, one device's contribution to a round.
 - ``device``: :class:`DeviceProfile`.
 - ``records``: the durable rows (jobs, rounds, participations, devices).
+- ``commit_rules``: what every ledger enforces on round commits and job states.
+- ``round_config``: :class:`RoundConfig`, the config a training task carries, parsed.
 - ``timeouts``: :class:`Timeouts`, every network deadline in one place.
 - ``files``: private files for secrets.
 """

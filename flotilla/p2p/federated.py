@@ -127,8 +127,8 @@ class UpdateAverager:
 def agreed_model(base: memoryview, agreed: AgreedAverage, config: Any) -> tuple[str, bytes]:
     """SHA-256 of the next model (the round's model plus the group's average, built as the
     server will rebuild it), and the upload: the average as plain safetensors."""
-    from flotilla.client.training import decode_model
     from flotilla.compression import apply_average
+    from flotilla.compression.broadcast import decode_model
     from flotilla.core.tensors import encode_state, state_sha256
 
     global_state = decode_model(base, config)

@@ -10,7 +10,7 @@
 """
 
 from flotilla.core.errors import SimulationStalled
-from flotilla.simulation.backend import SimBackend, UpdatePipeline
+from flotilla.simulation.backend import SimBackend, SimulatedUplink
 from flotilla.simulation.clock import VirtualClockLoop, run_simulated
 from flotilla.simulation.experiment import (
     Experiment,
@@ -50,9 +50,9 @@ __all__ = [
     "PopulationSection",
     "ShardCache",
     "SimBackend",
+    "SimulatedUplink",
     "SimulationSection",
     "SimulationStalled",
-    "UpdatePipeline",
     "VirtualClockLoop",
     "VirtualDevice",
     "draw_devices",

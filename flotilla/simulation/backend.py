@@ -21,14 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from flotilla.client.training import RoundConfig, decode_model
-from flotilla.compression import (
-    CodecContext,
-    ErrorFeedback,
-    decode_state_with,
-    encode_state_with,
-    make_codec,
-)
+from flotilla.compression import CodecContext, decode_state_with, make_codec
+from flotilla.compression.broadcast import decode_model
+from flotilla.compression.pipeline import UpdatePipeline
+from flotilla.core.round_config import RoundConfig
 from flotilla.core.tensors import ModelState, TensorSpec, encode_state
 from flotilla.core.update import COMPUTE_METRIC, Update
 from flotilla.engine.backend import Delivered, Failed, RoundResult, TrainTask
@@ -74,11 +70,13 @@ class _Stream:
                 result.settle("stale: the round closed before this update was aggregated")
 
 
-class UpdatePipeline:
-    """What a real agent does to its delta before upload, and the server's decode after.
+class SimulatedUplink:
+    """A simulated device's upload: the agent's :class:`UpdatePipeline` (momentum, codec,
+    error feedback), then the server's decode.
 
     Per-client state (update momentum, error-feedback residuals) is kept per job, in
-    memory-mapped stores under ``state_dir`` so 10,000+ clients fit.
+    memory-mapped stores under ``state_dir`` so 10,000+ clients fit. The codec's
+    randomness is a stream seeded from ``seed``, so a simulation replays.
     """
 
     def __init__(
@@ -90,62 +88,43 @@ class UpdatePipeline:
         clients: int,
     ) -> None:
         spec = config.compression
-        self.codec = make_codec(spec.uplink, spec.uplink_params)
-        self.momentum = config.train.update_momentum
+        momentum = config.train.update_momentum
+        rng = np.random.default_rng([seed % 2**32, 3])
         self.layout = layout
-        self._rng = np.random.default_rng([seed % 2**32, 3])
-        self._feedback = (
-            ClientStateStore(state_dir / "residuals.f32", clients, layout)
-            if spec.error_feedback
-            else None
-        )
-        self._velocity = (
-            ClientStateStore(state_dir / "momentum.f32", clients, layout)
-            if self.momentum > 0
-            else None
+        self.pipeline: UpdatePipeline[int] = UpdatePipeline(
+            make_codec(spec.uplink, spec.uplink_params),
+            momentum,
+            residuals=(
+                ClientStateStore(state_dir / "residuals.f32", clients, layout)
+                if spec.error_feedback
+                else None
+            ),
+            velocity=(
+                ClientStateStore(state_dir / "momentum.f32", clients, layout)
+                if momentum > 0
+                else None
+            ),
+            entropy=lambda: CodecContext.seeded(int(rng.integers(2**63))),
         )
         self._plain_bytes: int | None = None
 
     def __call__(self, client: int, delta: ModelState) -> tuple[ModelState, int]:
         """The delta as the server decodes it, and the bytes it took on the uplink."""
-        if self._velocity is not None:
-            delta = self._smooth(client, delta, self._velocity)
-        if self.codec.name == "none":
-            if self._plain_bytes is None:  # a plain payload's size depends on the layout only
+        pipeline = self.pipeline
+        delta = pipeline.smooth(client, delta)
+        if pipeline.plain:  # the payload is the delta itself: skip encoding and decoding
+            if self._plain_bytes is None:  # its size depends on the layout only
                 self._plain_bytes = len(encode_state(delta))
             return delta, self._plain_bytes
-        feedback = None
-        if self._feedback is not None:
-            feedback = ErrorFeedback(f"client-{client}")
-            held = self._feedback.get(client)
-            if held is not None:
-                feedback.load_state_dict(held)
-        ctx = CodecContext.seeded(int(self._rng.integers(2**63)))
-        payload = encode_state_with(self.codec, delta, ctx, feedback)
-        if feedback is not None and self._feedback is not None:
-            self._feedback.put(client, feedback.state_dict())
-        decoded = decode_state_with(payload, self.layout, len(payload), codec=self.codec)
+        payload = pipeline.encode(client, delta)
+        decoded = decode_state_with(payload, self.layout, len(payload), codec=pipeline.codec)
         return decoded, len(payload)
-
-    def _smooth(self, client: int, delta: ModelState, store: ClientStateStore) -> ModelState:
-        """Update momentum as a real agent keeps it: m = beta*m + (1-beta)*delta."""
-        beta = self.momentum
-        previous = store.get(client)
-        smoothed = {
-            k: np.asarray(
-                (1.0 - beta) * v if previous is None else beta * previous[k] + (1.0 - beta) * v,
-                dtype=np.float32,
-            )
-            for k, v in delta.items()
-        }
-        store.put(client, smoothed)
-        return smoothed
 
 
 @dataclass(slots=True)
 class _JobContext:
     config: RoundConfig
-    pipeline: UpdatePipeline
+    pipeline: SimulatedUplink
 
 
 class SimBackend:
@@ -240,7 +219,9 @@ class SimBackend:
             config = RoundConfig.from_json(task.config_json)
             seed = self._seed * 7919 + len(self._jobs)
             state_dir = self.state_dir / task.job_id
-            pipeline = UpdatePipeline(config, task.layout, seed, state_dir, self.population.clients)
+            pipeline = SimulatedUplink(
+                config, task.layout, seed, state_dir, self.population.clients
+            )
             job = _JobContext(config, pipeline)
             self._jobs[task.job_id] = job
         return job

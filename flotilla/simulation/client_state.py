@@ -17,7 +17,8 @@ from flotilla.core.tensors import ModelState, TensorSpec
 
 
 class ClientStateStore:
-    """One float32 vector in ``layout`` per client, absent until first written."""
+    """One float32 vector in ``layout`` per client, absent until first written: the
+    simulator's :class:`~flotilla.compression.pipeline.StateStore` (keyed by client index)."""
 
     def __init__(self, path: Path, clients: int, layout: tuple[TensorSpec, ...]) -> None:
         self._slices: list[tuple[str, int, int, tuple[int, ...]]] = []

@@ -16,12 +16,19 @@ import logging
 import random
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from flotilla.core.blobstore import BlobStore
-from flotilla.core.errors import FlotillaError, SpecError
+from flotilla.core.commit_rules import (
+    check_commit,
+    check_next_round,
+    check_state,
+    check_transition,
+    state_after,
+)
+from flotilla.core.errors import ConflictError, FlotillaError, NotFoundError, SpecError
 from flotilla.core.records import JobRecord, RoundCommit
 from flotilla.core.spec import JobSpec
 from flotilla.engine import EngineConfig, JobRunner, initial_model, server_evaluator
@@ -40,32 +47,44 @@ log = logging.getLogger(__name__)
 SIM_ENGINE = EngineConfig(selection_grace_s=2.0, retry_pause_s=1.0, idle_poll_s=1.0)
 
 
-class SimLedger:
-    """The engine's ledger for a simulation: job rows in memory, rounds to metrics.jsonl."""
+class LedgerObserver(Protocol):
+    """Told of every round the ledger commits (after it is committed)."""
 
-    def __init__(
-        self,
-        out: IO[str],
-        participation: IO[str],
-        backend: SimBackend,
-        wall_start: float,
-        progress: Any = None,
-    ) -> None:
+    def committed(self, job: JobRecord, commit: RoundCommit) -> None: ...
+
+
+class SimLedger:
+    """The engine's ledger for a simulation: job rows in memory, with the store's rules.
+
+    A commit is refused (:class:`RoundConflict`, nothing recorded, no observer told) unless
+    it is the job's next round and the job is not finished, as :meth:`Store.commit_round`
+    refuses it; a finished job never changes state (:class:`JobStateError`).
+    """
+
+    def __init__(self, observers: Sequence[LedgerObserver] = ()) -> None:
         self.jobs: dict[str, JobRecord] = {}
-        self.history: dict[str, list[dict[str, Any]]] = {}
-        self._out = out
-        self._participation = participation
-        self._backend = backend
-        self._wall_start = wall_start
-        self._progress = progress
+        self._observers = tuple(observers)
 
     def add(self, job: JobRecord) -> None:
+        """Record a submitted job; a second job with the same id is a :class:`ConflictError`."""
+        check_state(job.state)
+        if job.id in self.jobs:
+            raise ConflictError(f"job {job.id!r} already exists")
         self.jobs[job.id] = job
-        self.history[job.id] = []
+
+    def _job(self, job_id: str) -> JobRecord:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise NotFoundError(f"unknown job {job_id!r}")
+        return job
 
     async def commit_round(self, commit: RoundCommit) -> JobRecord:
+        check_commit(commit)
+        job = self._job(commit.job_id)
+        check_next_round(commit, job.state, job.rounds_committed, job.rounds_total)
         job = dataclasses.replace(
-            self.jobs[commit.job_id],
+            job,
+            state=state_after(commit, job.rounds_total),
             rounds_committed=commit.round,
             checkpoint_sha256=commit.checkpoint_sha256,
             aggregator_sha256=commit.aggregator_sha256,
@@ -73,9 +92,42 @@ class SimLedger:
             metrics=dict(commit.metrics),
             updated_at=commit.committed_at,
         )
-        if job.rounds_committed >= job.rounds_total:
-            job = dataclasses.replace(job, state="completed")
         self.jobs[job.id] = job
+        for observer in self._observers:
+            observer.committed(job, commit)
+        return job
+
+    async def set_job_state(self, job_id: str, state: str) -> JobRecord:
+        check_state(state)
+        job = self._job(job_id)
+        if job.state != state:
+            check_transition(job_id, job.state, state)
+            job = dataclasses.replace(job, state=state)
+            self.jobs[job_id] = job
+        return job
+
+
+class RunLog:
+    """A simulation's record of committed rounds: ``metrics.jsonl``, ``participation.jsonl``,
+    the rows ``summary.json`` and the plots are made of, and the progress bar."""
+
+    def __init__(
+        self,
+        out: IO[str],
+        participation: IO[str],
+        dropouts: Mapping[tuple[str, int], int],
+        wall_start: float,
+        progress: Any = None,
+    ) -> None:
+        #: Each job's metrics rows, by job id, in commit order.
+        self.history: dict[str, list[dict[str, Any]]] = {}
+        self._out = out
+        self._participation = participation
+        self._dropouts = dropouts
+        self._wall_start = wall_start
+        self._progress = progress
+
+    def committed(self, job: JobRecord, commit: RoundCommit) -> None:
         row = {
             "job": job.name,
             "job_id": job.id,
@@ -84,10 +136,10 @@ class SimLedger:
             "round_seconds": commit.committed_at - commit.started_at,
             **commit.metrics,
             "participants": len(commit.participants),
-            "dropouts": self._backend.dropouts.get((job.id, commit.round), 0),
+            "dropouts": self._dropouts.get((job.id, commit.round), 0),
             "wall_seconds": time.perf_counter() - self._wall_start,
         }
-        self.history[job.id].append(row)
+        self.history.setdefault(job.id, []).append(row)
         self._out.write(json.dumps(row, sort_keys=True) + "\n")
         self._out.flush()
         for p in commit.participants:
@@ -115,12 +167,6 @@ class SimLedger:
                 refresh=False,
             )
             self._progress.update(1)
-        return job
-
-    async def set_job_state(self, job_id: str, state: str) -> JobRecord:
-        job = dataclasses.replace(self.jobs[job_id], state=state)
-        self.jobs[job_id] = job
-        return job
 
 
 def run_experiment(
@@ -174,7 +220,8 @@ async def _simulate(
         (out_dir / "metrics.jsonl").open("w") as out,
         (out_dir / "participation.jsonl").open("w") as participation,
     ):
-        ledger = SimLedger(out, participation, backend, wall_start, bar)
+        run_log = RunLog(out, participation, backend.dropouts, wall_start, bar)
+        ledger = SimLedger([run_log])
         arbiter = Arbiter(pool, loop.time, SIM_ENGINE.selection_grace_s, SIM_ENGINE.idle_poll_s)
         runners = [
             _runner(i, spec, backend, arbiter, ledger, blobs, scratch, experiment.seed, loop.time)
@@ -210,14 +257,14 @@ async def _simulate(
             selectors = out_dir / "selectors"
             selectors.mkdir(exist_ok=True)
             (selectors / f"{job.name}.json").write_text(json.dumps(learned))
-        history = ledger.history[job.id]
+        history = run_log.history.get(job.id, [])
         summary_jobs[job.name] = {
             "state": job.state,
             "rounds": job.rounds_committed,
             "final_metrics": dict(job.metrics),
             "simulated_seconds": history[-1]["simulated_time"] if history else 0.0,
         }
-    _plot(ledger, out_dir)
+    _plot(run_log.history, out_dir)
     finals = [j["final_metrics"] for j in summary_jobs.values()]
     overall = (
         {
@@ -348,25 +395,25 @@ def _progress_bar(total: int, enabled: bool) -> Any:
     return tqdm(total=total, desc="simulate", unit="round", dynamic_ncols=True)
 
 
-def _plot(ledger: SimLedger, out_dir: Path) -> None:
+def _plot(history: Mapping[str, list[dict[str, Any]]], out_dir: Path) -> None:
     """Accuracy against simulated time and against round, one line per job."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    end = max((r["simulated_time"] for rows in ledger.history.values() for r in rows), default=0)
+    end = max((r["simulated_time"] for rows in history.values() for r in rows), default=0)
     unit, per = ("s", 1.0) if end < 120 else ("min", 60.0) if end < 7200 else ("h", 3600.0)
     for x_key, x_label, name, scale in (
         ("simulated_time", f"simulated time ({unit})", "accuracy_vs_time.png", per),
         ("round", "round", "accuracy_vs_round.png", 1.0),
     ):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for job_id, rows in ledger.history.items():
+        for rows in history.values():
             points = [(r[x_key] / scale, r["accuracy"]) for r in rows if "accuracy" in r]
             if points:
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker=".", label=ledger.jobs[job_id].name)
+                ax.plot(xs, ys, marker=".", label=rows[0]["job"])
         ax.set_xlabel(x_label)
         ax.set_ylabel("held-out accuracy")
         ax.grid(alpha=0.3)

@@ -2,13 +2,16 @@
 
 Only column types that behave the same on SQLite and PostgreSQL are used: times are
 ``Double`` (REAL / DOUBLE PRECISION, never single precision), sizes ``BigInteger``, and
-structured fields are JSON in ``Text`` columns so neither backend's JSON type is needed.
-Nothing outside :mod:`flotilla.server.federation.store` should import these classes.
+structured fields SQLAlchemy's ``JSON`` (PostgreSQL ``json``; text in SQLite). Every change
+here needs a revision in ``migrations/versions``: ``Store.open`` builds and upgrades the
+schema through those, never from these classes. Nothing outside
+:mod:`flotilla.server.federation.store` should import these classes.
 """
 
 from __future__ import annotations
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     Double,
     ForeignKey,
@@ -42,8 +45,8 @@ class DeviceRow(Base):
 
     id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
     credential_hash: Mapped[str] = mapped_column(String(256))
-    tasks_json: Mapped[str] = mapped_column(Text, default="[]")
-    profile_json: Mapped[str] = mapped_column(Text, default="{}")
+    tasks_json: Mapped[list[str]] = mapped_column(JSON)
+    profile_json: Mapped[dict[str, float]] = mapped_column(JSON)
     enrolled_at: Mapped[float] = mapped_column(Double)
     last_seen_at: Mapped[float] = mapped_column(Double)
 
@@ -89,7 +92,7 @@ class JobRow(Base):
     scheduler_sha256: Mapped[str] = mapped_column(String(SHA256_LEN), default="")
     created_at: Mapped[float] = mapped_column(Double, index=True)
     updated_at: Mapped[float] = mapped_column(Double)
-    metrics_json: Mapped[str] = mapped_column(Text, default="{}")
+    metrics_json: Mapped[dict[str, float]] = mapped_column(JSON)
 
 
 class RoundRow(Base):
@@ -104,7 +107,7 @@ class RoundRow(Base):
     checkpoint_sha256: Mapped[str] = mapped_column(
         String(SHA256_LEN), ForeignKey("checkpoints.sha256")
     )
-    metrics_json: Mapped[str] = mapped_column(Text, default="{}")
+    metrics_json: Mapped[dict[str, float]] = mapped_column(JSON)
     started_at: Mapped[float] = mapped_column(Double)
     committed_at: Mapped[float] = mapped_column(Double)
 
@@ -127,4 +130,4 @@ class ParticipationRow(Base):
     num_samples: Mapped[int] = mapped_column(BigInteger)
     started_at: Mapped[float] = mapped_column(Double)
     finished_at: Mapped[float] = mapped_column(Double)
-    metrics_json: Mapped[str] = mapped_column(Text, default="{}")
+    metrics_json: Mapped[dict[str, float]] = mapped_column(JSON)

@@ -8,14 +8,13 @@ under a row lock on the job (PostgreSQL) or a write lock on the file (SQLite).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import event, insert, inspect, select, update
+from sqlalchemy import event, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL, Connection, make_url
@@ -27,6 +26,13 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.sql.dml import Insert
 
+from flotilla.core.commit_rules import (
+    check_commit,
+    check_next_round,
+    check_state,
+    check_transition,
+    state_after,
+)
 from flotilla.core.errors import (
     ConflictError,
     JobStateError,
@@ -34,15 +40,14 @@ from flotilla.core.errors import (
     RoundConflict,
 )
 from flotilla.core.records import (
-    JOB_STATES,
     RESUMABLE_STATES,
-    TERMINAL_STATES,
     DeviceRecord,
     JobRecord,
     ParticipationRecord,
     RoundCommit,
     RoundRecord,
 )
+from flotilla.server.federation import migrations
 from flotilla.server.federation.schema import (
     Base,
     CheckpointRow,
@@ -98,25 +103,6 @@ def async_url(url: str) -> URL:
     return parsed.set(drivername=name)
 
 
-def _add_new_columns(conn: Connection) -> None:
-    """Columns added to the schema since a database was created, added to it in place
-    (each has a constant default), so a state dir from an earlier release keeps working."""
-    inspector = inspect(conn)
-    for table in Base.metadata.sorted_tables:
-        present = {c["name"] for c in inspector.get_columns(table.name)}
-        for column in table.columns:
-            if column.name in present:
-                continue
-            default = column.default.arg if column.default is not None else None
-            if default is None or callable(default):
-                raise RuntimeError(f"cannot add column {table.name}.{column.name} in place")
-            kind = column.type.compile(dialect=conn.dialect)
-            literal = conn.dialect.identifier_preparer.quote(column.name)
-            conn.exec_driver_sql(
-                f"ALTER TABLE {table.name} ADD COLUMN {literal} {kind} NOT NULL DEFAULT {default!r}"
-            )
-
-
 def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     # Take BEGIN away from the sqlite3 driver (which skips it for SELECT and DDL) so the
     # "begin" hook below controls when and how each transaction starts.
@@ -135,30 +121,17 @@ def _on_sqlite_begin(conn: Connection) -> None:
     conn.exec_driver_sql(f"BEGIN {mode}")
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _floats(value: Mapping[str, float]) -> str:
-    return _dumps({str(k): float(v) for k, v in value.items()})
-
-
-def _load_floats(text: str) -> dict[str, float]:
-    data = json.loads(text) if text else {}
-    return {str(k): float(v) for k, v in data.items()}
-
-
-def _load_strs(text: str) -> tuple[str, ...]:
-    data = json.loads(text) if text else []
-    return tuple(str(v) for v in data)
+def _floats(value: Mapping[str, float]) -> dict[str, float]:
+    """A fresh ``{str: float}`` for a JSON column: metrics may hold numpy scalars."""
+    return {str(k): float(v) for k, v in value.items()}
 
 
 def _device_record(row: DeviceRow) -> DeviceRecord:
     return DeviceRecord(
         id=row.id,
         credential_hash=row.credential_hash,
-        tasks=_load_strs(row.tasks_json),
-        profile=_load_floats(row.profile_json),
+        tasks=tuple(row.tasks_json),
+        profile=dict(row.profile_json),
         enrolled_at=row.enrolled_at,
         last_seen_at=row.last_seen_at,
     )
@@ -175,7 +148,7 @@ def _job_record(row: JobRow) -> JobRecord:
         checkpoint_sha256=row.checkpoint_sha256,
         created_at=row.created_at,
         updated_at=row.updated_at,
-        metrics=_load_floats(row.metrics_json),
+        metrics=dict(row.metrics_json),
         aggregator_sha256=row.aggregator_sha256,
         scheduler_sha256=row.scheduler_sha256,
     )
@@ -189,24 +162,8 @@ def _participation_record(row: ParticipationRow) -> ParticipationRecord:
         num_samples=row.num_samples,
         started_at=row.started_at,
         finished_at=row.finished_at,
-        metrics=_load_floats(row.metrics_json),
+        metrics=dict(row.metrics_json),
     )
-
-
-def _check_state(state: str) -> None:
-    if state not in JOB_STATES:
-        raise ValueError(f"unknown job state {state!r}; expected one of {', '.join(JOB_STATES)}")
-
-
-def _check_commit(c: RoundCommit) -> None:
-    if c.round < 1:
-        raise ValueError(f"round numbers start at 1, got {c.round}")
-    for p in c.participants:
-        if p.job_id != c.job_id or p.round != c.round:
-            raise ValueError(
-                f"participant {p.device_id!r} is for job {p.job_id!r} round {p.round}, "
-                f"not job {c.job_id!r} round {c.round}"
-            )
 
 
 class Store:
@@ -228,7 +185,8 @@ class Store:
 
     @classmethod
     async def open(cls, url: str) -> Store:
-        """Connect, and create any missing tables (existing rows are left alone)."""
+        """Connect, and create or upgrade the schema to the newest revision (see
+        :mod:`~flotilla.server.federation.migrations`); existing rows are kept."""
         target = async_url(url)
         if target.get_backend_name() == "sqlite":
             db = target.database or ""
@@ -242,8 +200,7 @@ class Store:
         store = cls(engine)
         try:
             async with store._write_engine.begin() as conn:
-                await conn.run_sync(Base.metadata.create_all)
-                await conn.run_sync(_add_new_columns)
+                await conn.run_sync(migrations.upgrade)
         except BaseException:
             await engine.dispose()
             raise
@@ -269,10 +226,15 @@ class Store:
         return self._dialect
 
     async def wipe(self) -> None:
-        """Drop and recreate every table: for tests that share one PostgreSQL database."""
+        """Delete every row (the schema stays, as ``open`` left it): for tests that share one
+        PostgreSQL database."""
+        tables = [t.name for t in reversed(Base.metadata.sorted_tables)]
         async with self._write_engine.begin() as conn:
-            await conn.run_sync(Base.metadata.drop_all)
-            await conn.run_sync(Base.metadata.create_all)
+            if self._dialect == "postgresql":
+                await conn.exec_driver_sql(f"TRUNCATE TABLE {', '.join(tables)}")
+            else:
+                for name in tables:  # children first, for the foreign keys
+                    await conn.exec_driver_sql(f"DELETE FROM {name}")
 
     def _insert_ignore(self, model: type[Base], **values: Any) -> Insert:
         """INSERT that does nothing when the primary key exists, without aborting the txn."""
@@ -309,7 +271,7 @@ class Store:
         row = DeviceRow(
             id=device.id,
             credential_hash=device.credential_hash,
-            tasks_json=_dumps(list(device.tasks)),
+            tasks_json=list(device.tasks),
             profile_json=_floats(device.profile),
             enrolled_at=device.enrolled_at,
             last_seen_at=device.last_seen_at,
@@ -348,14 +310,14 @@ class Store:
             if last_seen_at is not None:
                 row.last_seen_at = last_seen_at
             if tasks is not None:
-                row.tasks_json = _dumps(list(tasks))
+                row.tasks_json = list(tasks)
             return _device_record(row)
 
     # -- jobs ------------------------------------------------------------------------------
 
     async def add_job(self, job: JobRecord) -> None:
         """Insert a new job; a duplicate id is a :class:`ConflictError`."""
-        _check_state(job.state)
+        check_state(job.state)
         row = JobRow(
             id=job.id,
             name=job.name,
@@ -397,14 +359,13 @@ class Store:
 
     async def set_job_state(self, job_id: str, state: str) -> JobRecord:
         """Move a job to ``state``; a finished job stays finished (:class:`JobStateError`)."""
-        _check_state(state)
+        check_state(state)
         async with self._write.begin() as s:
             row = await s.get(JobRow, job_id, with_for_update=True)
             if row is None:
                 raise NotFoundError(f"unknown job {job_id!r}")
             if row.state != state:
-                if row.state in TERMINAL_STATES:
-                    raise JobStateError(f"job {job_id!r} is {row.state} and cannot become {state}")
+                check_transition(job_id, row.state, state)
                 row.state = state
                 row.updated_at = time.time()
             return _job_record(row)
@@ -442,7 +403,7 @@ class Store:
         job's next round and the job is not finished; the job is ``completed`` after its last
         round and ``running`` otherwise.
         """
-        _check_commit(c)
+        check_commit(c)
         where = f"round {c.round} of job {c.job_id!r}"
         try:
             async with self._write.begin() as s:
@@ -451,15 +412,7 @@ class Store:
                 job = await s.get(JobRow, c.job_id, with_for_update=True)
                 if job is None:
                     raise NotFoundError(f"unknown job {c.job_id!r}")
-                if job.state in TERMINAL_STATES:
-                    raise RoundConflict(f"{where} refused: the job is {job.state}")
-                if c.round != job.rounds_committed + 1:
-                    raise RoundConflict(
-                        f"{where} refused: {job.rounds_committed} rounds are committed, "
-                        f"so the next is {job.rounds_committed + 1}"
-                    )
-                if c.round > job.rounds_total:
-                    raise RoundConflict(f"{where} refused: the job has {job.rounds_total} rounds")
+                check_next_round(c, job.state, job.rounds_committed, job.rounds_total)
                 if await s.get(RoundRow, (c.job_id, c.round)) is not None:
                     raise RoundConflict(f"{where} refused: it is already committed")
                 await s.execute(
@@ -502,7 +455,7 @@ class Store:
                 job.scheduler_sha256 = c.scheduler_sha256
                 job.metrics_json = _floats(c.metrics)
                 job.updated_at = c.committed_at
-                job.state = "completed" if c.round == job.rounds_total else "running"
+                job.state = state_after(c, job.rounds_total)
                 await s.flush()
                 return _job_record(job)
         except IntegrityError as exc:
@@ -530,7 +483,7 @@ class Store:
                     job_id=r.job_id,
                     round=r.round,
                     checkpoint_sha256=r.checkpoint_sha256,
-                    metrics=_load_floats(r.metrics_json),
+                    metrics=dict(r.metrics_json),
                     started_at=r.started_at,
                     committed_at=r.committed_at,
                     participants=tuple(by_round.get(r.round, ())),
