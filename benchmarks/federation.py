@@ -59,7 +59,7 @@ from flotilla.client.training import TrainOutcome
 from flotilla.core.blobs import CHUNK_BYTES, sha256_hex
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import decode_state, encode_state
-from flotilla.proto import flotilla_pb2 as pb
+from flotilla.core.work import WorkOrder
 from flotilla.proto.channel import open_channel
 from flotilla.server.remote import RemoteServer
 
@@ -278,7 +278,7 @@ class CannedTrainer:
     update: SharedUpdate
     num_samples: int = 8
 
-    def train(self, model_bytes: bytes | memoryview, work: pb.TrainTask) -> TrainOutcome:
+    def train(self, model_bytes: bytes | memoryview, work: object) -> TrainOutcome:
         payload = self.update.get(model_bytes)
         return TrainOutcome(self.num_samples, {"loss": 1.0}, payload, self.update.sha256)
 
@@ -287,7 +287,7 @@ class BenchAgent(Agent):
     """A real agent that does not keep the last model: 100 cached 40 MB copies in one
     benchmark process would measure this process, not the platform."""
 
-    async def _fetch(self, task: pb.TrainTask) -> memoryview:
+    async def _fetch(self, task: WorkOrder) -> memoryview:
         data = await super()._fetch(task)
         self._model = None
         return data
