@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import random
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -61,8 +62,6 @@ PAYLOAD = b"encoded update " * 1000
 PEER_ID = "QmTestPeer"
 #: backoff_cap_s of the agents here: every pause lasts between half of it and all of it.
 CAP_S = 0.2
-#: A cap no test waits out: an agent that pauses with it never finishes the test.
-NO_PAUSE_CAP_S = 600.0
 
 
 def order(
@@ -172,7 +171,7 @@ def make_agent(
     trainer: CannedTrainer | None = None,
     state_dir: Path | None = None,
     timeouts: Timeouts | None = None,
-    backoff_cap_s: float = CAP_S,
+    pauses: PauseCounter | None = None,
 ) -> tuple[Agent, MockTransport, CannedTrainer]:
     trainer = trainer or CannedTrainer()
     transport = MockTransport(server)
@@ -183,9 +182,19 @@ def make_agent(
         state_dir=state_dir,
         timeouts=timeouts or Timeouts(),
         speed_test_bytes=4096,
-        backoff_cap_s=backoff_cap_s,
+        backoff_cap_s=CAP_S,
     )
-    return Agent(config, transport=transport), transport, trainer
+    return Agent(config, pauses or PauseCounter(0), transport), transport, trainer
+
+
+class PauseCounter(random.Random):
+    """An agent's RNG: it draws one jittered delay per backoff pause, so this counts them."""
+
+    draws = 0
+
+    def uniform(self, a: float, b: float) -> float:
+        self.draws += 1
+        return super().uniform(a, b)
 
 
 async def run_until(agent: Agent, done: asyncio.Event, timeout_s: float = 5.0) -> None:
@@ -281,7 +290,8 @@ async def test_a_model_whose_sha256_does_not_match_is_refused_untrained() -> Non
         orders=[order(1, job="bad", model=MODEL), order(2, job="good", model=other)],
         blobs={sha256_hex(MODEL): tampered, sha256_hex(other): other},
     )
-    agent, _, trainer = make_agent(server)
+    paused = PauseCounter(0)
+    agent, _, trainer = make_agent(server, pauses=paused)
     await run_until(agent, server.drained)
 
     assert [r.job_id for r in server.of(FetchModel)] == ["bad", "good"]
@@ -293,6 +303,7 @@ async def test_a_model_whose_sha256_does_not_match_is_refused_untrained() -> Non
     # A failure on the device is followed by a pause, as a refusal by the server is not.
     fetched, polled = [t for t, r in server.seen if isinstance(r, (FetchModel, Poll))][1:3]
     assert polled - fetched >= CAP_S / 2
+    assert paused.draws == 1
 
 
 async def test_a_stale_round_refusal_gives_the_round_up_and_polls_again() -> None:
@@ -300,9 +311,11 @@ async def test_a_stale_round_refusal_gives_the_round_up_and_polls_again() -> Non
         orders=[order(1), order(2)],
         faults={ReserveUpload: [StaleRoundError("stale round: the round closed")]},
     )
-    agent, _, trainer = make_agent(server, backoff_cap_s=NO_PAUSE_CAP_S)
+    paused = PauseCounter(0)
+    agent, _, trainer = make_agent(server, pauses=paused)
     await run_until(agent, server.drained)
 
+    assert paused.draws == 0  # a refusal is no reason to wait
     assert len(trainer.models) == 2  # both rounds trained
     assert [s.header.ref.round for s, _ in server.uploads] == [2]  # only the second sent
     kinds = server.kinds()
@@ -326,10 +339,12 @@ async def test_a_round_closed_while_training_is_not_uploaded() -> None:
 @pytest.mark.parametrize("refusal", [UpdateRejected("NaN in update"), NotFoundError("no job")])
 async def test_a_refused_upload_is_not_retried(refusal: FlotillaError) -> None:
     server = FakeServer(orders=[order()], faults={SubmitUpdate: [refusal]})
-    agent, _, _ = make_agent(server, backoff_cap_s=NO_PAUSE_CAP_S)
+    paused = PauseCounter(0)
+    agent, _, _ = make_agent(server, pauses=paused)
     await run_until(agent, server.drained)
 
     assert len(server.of(SubmitUpdate)) == 1
+    assert paused.draws == 0
     assert server.kinds()[server.kinds().index("SubmitUpdate") + 1] == "Poll"
 
 
@@ -339,23 +354,27 @@ async def test_a_refused_upload_is_not_retried(refusal: FlotillaError) -> None:
 async def test_an_unreachable_server_is_retried_with_backoff_until_it_answers() -> None:
     down = [Unreachable("UNAVAILABLE: connection refused") for _ in range(3)]
     server = FakeServer(orders=[order()], faults={Enrol: down})
-    agent, _, _ = make_agent(server)
+    paused = PauseCounter(0)
+    agent, _, _ = make_agent(server, pauses=paused)
     await run_until(agent, server.drained)
 
     enrols = [t for t, r in server.seen if isinstance(r, Enrol)]
     assert len(enrols) == 4
+    assert paused.draws == 3
     assert all(gap >= CAP_S / 2 for gap in gaps(enrols)), gaps(enrols)
     assert len(server.uploads) == 1
 
 
 async def test_an_unreachable_poll_backs_off_then_polls_again() -> None:
     server = FakeServer(orders=[order()], faults={Poll: [Unreachable("DEADLINE_EXCEEDED")] * 2})
-    agent, _, _ = make_agent(server)
+    paused = PauseCounter(0)
+    agent, _, _ = make_agent(server, pauses=paused)
     await run_until(agent, server.drained)
 
     polls = [t for t, r in server.seen if isinstance(r, Poll)]
     assert all(gap >= CAP_S / 2 for gap in gaps(polls[:3])), gaps(polls[:3])
     assert server.enrolments == 1  # a server that is away is not a refused credential
+    assert paused.draws == 2
     assert len(server.uploads) == 1
 
 
@@ -363,10 +382,12 @@ async def test_a_refused_credential_enrols_again_and_replaces_the_saved_one(
     tmp_path: Path,
 ) -> None:
     server = FakeServer(orders=[order()], faults={Poll: [AuthError("unknown device")]})
-    agent, _, _ = make_agent(server, state_dir=tmp_path, backoff_cap_s=NO_PAUSE_CAP_S)
+    paused = PauseCounter(0)
+    agent, _, _ = make_agent(server, state_dir=tmp_path, pauses=paused)
     await run_until(agent, server.drained)
 
     assert server.enrolments == 2
+    assert paused.draws == 0
     polls = server.of(Poll)
     assert polls[0].credential.secret == "secret-1"
     assert {p.credential.secret for p in polls[1:]} == {"secret-2"}
