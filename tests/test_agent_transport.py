@@ -37,7 +37,6 @@ from flotilla.client.transport import (
     MockTransport,
     Poll,
     Receipt,
-    Reservation,
     ReserveUpload,
     SpeedTest,
     SubmitUpdate,
@@ -53,7 +52,7 @@ from flotilla.core.errors import (
     UpdateRejected,
 )
 from flotilla.core.timeouts import Timeouts
-from flotilla.core.work import WorkOrder
+from flotilla.core.work import Reservation, WorkOrder
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -38,7 +38,6 @@ from flotilla.client.transport import (
     ReserveUpload,
     SpeedTest,
     SubmitUpdate,
-    UpdateHeader,
 )
 from flotilla.core.allreduce import Contribution, PeerOptions
 from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
@@ -52,7 +51,7 @@ from flotilla.core.errors import (
 )
 from flotilla.core.files import write_private
 from flotilla.core.timeouts import Timeouts
-from flotilla.core.work import WorkOrder
+from flotilla.core.work import UploadHeader, WorkOrder
 
 log = logging.getLogger(__name__)
 
@@ -376,14 +375,14 @@ class Agent:
         size = len(outcome.payload)
         wait_s = max(1.0, task.deadline - time.time() + 5.0)
         reserved = await self._transport.send(ReserveUpload(self._me, task.ref, size, wait_s))
-        header = UpdateHeader(
+        header = UploadHeader(
             ref=task.ref,
             num_samples=outcome.num_samples,
-            metrics=outcome.metrics,
             payload_size=size,
             payload_sha256=outcome.payload_sha256,
             codec=outcome.codec,
-            reservation=reserved.id,
+            metrics=outcome.metrics,
+            reservation=reserved.key,
         )
 
         async def chunks() -> AsyncIterator[memoryview]:

@@ -27,13 +27,10 @@ from flotilla.client.transport import (
     Poll,
     Receipt,
     ReportAverage,
-    ReportVerdict,
     Request,
-    Reservation,
     ReserveUpload,
     SpeedTest,
     SubmitUpdate,
-    UpdateHeader,
     closed_set,
 )
 from flotilla.core.device import DeviceProfile
@@ -46,7 +43,7 @@ from flotilla.core.errors import (
     UpdateRejected,
     WireError,
 )
-from flotilla.core.work import RoundRef, WorkOrder
+from flotilla.core.work import ReportVerdict, Reservation, RoundRef, UploadHeader, WorkOrder
 from flotilla.proto import PROTOCOL_VERSION, bulk
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
@@ -248,7 +245,7 @@ def work_from_pb(msg: pb.TrainTask) -> WorkOrder:
     )
 
 
-def header_to_pb(header: UpdateHeader) -> pb.UpdateHeader:
+def header_to_pb(header: UploadHeader) -> pb.UpdateHeader:
     return pb.UpdateHeader(
         job_id=header.ref.job_id,
         round=header.ref.round,

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar, cast
 
 from flotilla.core.allreduce import Contribution
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import Unreachable
-from flotilla.core.work import RoundRef, WorkOrder
+from flotilla.core.work import ReportVerdict, Reservation, RoundRef, UploadHeader, WorkOrder
 
 R = TypeVar("R")
 
@@ -60,21 +60,6 @@ class Request(Generic[R]):
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateHeader:
-    """What precedes an update's payload: whose round it is and how to read it."""
-
-    ref: RoundRef
-    num_samples: int
-    metrics: Mapping[str, float]
-    payload_size: int
-    payload_sha256: str
-    #: The uplink codec of the payload ("none": plain safetensors of local minus global).
-    codec: str
-    #: From :class:`ReserveUpload`; "" waits for room with the stream open.
-    reservation: str
-
-
-@dataclass(frozen=True, slots=True)
 class AverageReport:
     """A server-less round's outcome as one member saw it."""
 
@@ -86,24 +71,11 @@ class AverageReport:
 
 
 @dataclass(frozen=True, slots=True)
-class Reservation:
-    """Room on the server for one upload; start it within ``expires_in_s``."""
-
-    id: str
-    expires_in_s: float
-
-
-@dataclass(frozen=True, slots=True)
 class Receipt:
+    """The server took the update (``detail`` says what it did with it)."""
+
     accepted: bool
     detail: str
-
-
-@dataclass(frozen=True, slots=True)
-class ReportVerdict:
-    #: The server wants this member's copy of the agreed update uploaded.
-    upload: bool
-    round_open: bool
 
 
 # --- the requests ------------------------------------------------------------------------
@@ -174,7 +146,7 @@ class SubmitUpdate(Request[Receipt]):
     """Upload an update: the header, then ``chunks`` (the payload in order)."""
 
     credential: DeviceCredential
-    header: UpdateHeader
+    header: UploadHeader
     chunks: ByteStream
     timeout_s: float
 
@@ -299,5 +271,5 @@ __all__ = [
     "ReserveUpload",
     "SpeedTest",
     "SubmitUpdate",
-    "UpdateHeader",
+    "UploadHeader",
 ]

@@ -1,13 +1,15 @@
-"""A device's work order: what the server hands a device for one round.
+"""What a device and the server say to each other about a round, as plain values.
 
-Plain values, so every edge (gRPC today, HTTP later, in-process in tests) and both sides
-of it speak the same type; the engine's own ``TrainTask`` adds what only the server needs
-(layout, codec, transport) and is cut down to this at the edge.
+The work order a device gets, the round it quotes back, the header of its upload and the
+server's answers: the same types on both sides of every edge (gRPC today, HTTP later,
+in-process in tests). The engine's own ``TrainTask`` adds what only the server needs
+(layout, codec, transport) and is cut down to a :class:`WorkOrder` at the edge.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,3 +47,34 @@ class WorkOrder:
     @property
     def ref(self) -> RoundRef:
         return RoundRef(self.job_id, self.round, self.round_token)
+
+
+@dataclass(frozen=True, slots=True)
+class UploadHeader:
+    """What precedes an update's bytes: its round, size, checksum and codec."""
+
+    ref: RoundRef
+    num_samples: int
+    payload_size: int
+    payload_sha256: str
+    #: The uplink codec's name; ``""`` or ``"safetensors"`` mean plain safetensors.
+    codec: str
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    #: A key from a reservation, or ``""`` to wait for room with the upload under way.
+    reservation: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Room on the server held for one device's next upload; start it within ``ttl_s``."""
+
+    key: str
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReportVerdict:
+    """The answer to a server-less round's report: upload the average now? still open?"""
+
+    upload: bool
+    round_open: bool
