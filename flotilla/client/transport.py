@@ -5,7 +5,8 @@ types and plain values) and a transport delivers each one, returning its reply. 
 request class names its reply type, so ``await transport.send(Poll(...))`` is typed
 ``WorkOrder | None``. ``GrpcTransport`` (``client.grpc_transport``) speaks the wire;
 :class:`MockTransport` hands each request to a function, for tests of the agent's own
-logic; an in-process transport maps each request to one call on the server's facade.
+logic; an in-process transport maps each request to one call on the server's facade
+(after checking the credential the request carries).
 
 A transport raises only errors of ``flotilla.core.errors``, and the agent acts on them::
 
