@@ -9,17 +9,21 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import random
+import sys
 import threading
 import time
+import types
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from flotilla.client import agent as agent_module
@@ -37,10 +41,12 @@ from flotilla.client.transport import (
     MockTransport,
     Poll,
     Receipt,
+    ReportAverage,
     ReserveUpload,
     SpeedTest,
     SubmitUpdate,
 )
+from flotilla.core.allreduce import Contribution
 from flotilla.core.blobs import sha256_hex
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import (
@@ -52,7 +58,7 @@ from flotilla.core.errors import (
     UpdateRejected,
 )
 from flotilla.core.timeouts import Timeouts
-from flotilla.core.work import Reservation, WorkOrder
+from flotilla.core.work import ReportVerdict, Reservation, WorkOrder
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -88,12 +94,16 @@ class CannedTrainer:
     works: list[Any] = field(default_factory=list)
     #: When set, training waits for it (for up to 5 s): a round that takes a while.
     hold: threading.Event | None = None
+    #: Server-less rounds: return the update itself, for the all-reduce.
+    server_less: bool = False
 
     def train(self, model_bytes: bytes | memoryview, work: Any) -> TrainOutcome:
         if self.hold is not None:
             self.hold.wait(5.0)
         self.models.append(bytes(model_bytes))
         self.works.append(work)
+        if self.server_less:
+            return TrainOutcome(8, {"loss": 0.5}, b"", delta={"w": np.ones(3, np.float32)})
         return TrainOutcome(8, {"loss": 0.5}, PAYLOAD)
 
 
@@ -106,6 +116,8 @@ class FakeServer:
     #: Errors to raise, in turn, for the next requests of a type.
     faults: dict[type, list[FlotillaError]] = field(default_factory=dict)
     heartbeat_open: bool = True
+    #: The answers to server-less rounds' reports, in turn.
+    verdicts: list[ReportVerdict] = field(default_factory=list)
     seen: list[tuple[float, AgentRequest]] = field(default_factory=list)
     uploads: list[tuple[SubmitUpdate, bytes]] = field(default_factory=list)
     enrolments: int = 0
@@ -147,6 +159,8 @@ class FakeServer:
                 data = b"".join([bytes(chunk) async for chunk in request.chunks])
                 self.uploads.append((request, data))
                 return Receipt(True, "aggregated")
+            case ReportAverage():
+                return self.verdicts.pop(0)
             case Leave():
                 return None
         raise AssertionError(f"unexpected {request!r}")
@@ -277,6 +291,87 @@ async def test_a_model_already_held_is_not_fetched_again() -> None:
     assert len(server.of(FetchModel)) == 1
     assert trainer.models == [MODEL, MODEL]
     assert [s.header.ref.round for s, _ in server.uploads] == [1, 2]
+
+
+# --- a server-less round ----------------------------------------------------------------
+
+AGREED_SHA = "ab" * 32
+AVERAGE = b"the group's average as safetensors"
+GROUP = (Contribution("device-1", 8, {"loss": 0.5}), Contribution("device-2", 6, {"loss": 0.7}))
+
+
+@dataclass
+class FakeAverager:
+    """Stands in for the hivemind all-reduce: every member agrees on the same average."""
+
+    options: Any
+    calls: list[tuple[str, Contribution, float]] = field(default_factory=list)
+
+    def average(self, key: str, plan: Any, delta: Any, me: Contribution, left: float) -> Any:
+        self.calls.append((key, me, left))
+        return types.SimpleNamespace(
+            delta=delta, contributors=GROUP, group_id="group-7", seconds=0.25, reverted=1
+        )
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_p2p(monkeypatch: pytest.MonkeyPatch) -> list[FakeAverager]:
+    """``flotilla.p2p.federated`` without hivemind or torch; the averagers it made."""
+    made: list[FakeAverager] = []
+    module = types.ModuleType("flotilla.p2p.federated")
+    module.UpdateAverager = lambda options: made.append(FakeAverager(options)) or made[-1]  # type: ignore[attr-defined]
+    module.agreed_model = lambda base, agreed, config: (AGREED_SHA, AVERAGE)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flotilla.p2p.federated", module)
+    return made
+
+
+def server_less_order() -> WorkOrder:
+    plan = {"initial_peers": ["/ip4/127.0.0.1/tcp/9/p2p/QmX"], "group_size": 2,
+            "min_group_size": 2, "matchmaking_s": 1.0}  # fmt: skip
+    return dataclasses.replace(order(), config_json=json.dumps({"p2p": plan}))
+
+
+async def test_a_server_less_round_reports_the_agreed_model_and_uploads_when_asked(
+    fake_p2p: list[FakeAverager],
+) -> None:
+    work = server_less_order()
+    server = FakeServer(
+        orders=[work],
+        verdicts=[ReportVerdict(upload=False, round_open=True), ReportVerdict(True, True)],
+    )
+    agent, _, _ = make_agent(server, CannedTrainer(server_less=True))
+    await run_until(agent, server.drained)
+
+    [averager] = fake_p2p
+    [(key, me, left)] = averager.calls
+    assert key == work.round_token and me == Contribution("device-1", 8, {"loss": 0.5})
+    assert 0 < left < 60
+    reports = server.of(ReportAverage)
+    assert len(reports) == 2  # held without a call to upload, it reports again
+    for sent in reports:
+        assert sent.ref == work.ref
+        assert sent.report.model_sha256 == AGREED_SHA
+        assert (sent.report.group_id, sent.report.contributors) == ("group-7", GROUP)
+        assert (sent.report.allreduce_s, sent.report.reverted) == (0.25, 1)
+    [(submit, data)] = server.uploads
+    assert data == AVERAGE and submit.header.ref == work.ref
+    assert submit.header.payload_sha256 == sha256_hex(AVERAGE)
+
+
+async def test_a_server_less_round_that_closes_uploads_nothing(
+    fake_p2p: list[FakeAverager],
+) -> None:
+    server = FakeServer(
+        orders=[server_less_order()], verdicts=[ReportVerdict(upload=False, round_open=False)]
+    )
+    agent, _, _ = make_agent(server, CannedTrainer(server_less=True))
+    await run_until(agent, server.drained)
+
+    assert len(server.of(ReportAverage)) == 1
+    assert not server.of(ReserveUpload) and not server.uploads
 
 
 # --- refusals and failures -----------------------------------------------------------------
