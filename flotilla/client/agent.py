@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.util
-import json
 import logging
 import random
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.client.backoff import Backoff
+from flotilla.client.credentials import CredentialFile
 from flotilla.client.profile import matmul_gflops, memory_bytes
 from flotilla.client.training import LocalTrainer, TrainOutcome
 from flotilla.client.transport import (
@@ -49,13 +49,11 @@ from flotilla.core.errors import (
     Unreachable,
     UpdateRejected,
 )
-from flotilla.core.files import write_private
 from flotilla.core.timeouts import Timeouts
 from flotilla.core.work import UploadHeader, WorkOrder
 
 log = logging.getLogger(__name__)
 
-CREDENTIAL_FILE = "credential.json"
 #: Seconds kept after a server-less round's all-reduce for reporting and uploading.
 REPORT_MARGIN_S = 5.0
 #: Pause before a reporter the server held and did not ask to upload reports again.
@@ -98,6 +96,7 @@ class Agent:
         self._rng = rng or random.Random()
         self._backoff = Backoff(self._rng, cap_s=config.backoff_cap_s)
         self._transport = transport if transport is not None else grpc_transport(config)
+        self._saved = CredentialFile(config.state_dir, config.server)
         self._credential: DeviceCredential | None = None
         self._model: tuple[str, memoryview] | None = None
         self._pending_profile: DeviceProfile | None = None
@@ -126,7 +125,7 @@ class Agent:
 
     async def _connect(self) -> None:
         """Enrol (or reuse a saved credential) and measure the upload rate."""
-        self._credential = self._load_credential()
+        self._credential = self._saved.load()
         profile = await asyncio.to_thread(self._profile)
         self._peer_id = await asyncio.to_thread(self._p2p_identity)
         while self._credential is None:
@@ -167,31 +166,9 @@ class Agent:
             credential = await self._transport.send(enrol)
         except AuthError as exc:
             raise AuthError(f"the server refused the enrolment token: {exc}") from exc
-        self._save_credential(credential)
+        self._saved.save(credential)
         log.info("enrolled as %s", credential.device_id)
         return credential
-
-    def _load_credential(self) -> DeviceCredential | None:
-        if self.config.state_dir is None:
-            return None
-        path = self.config.state_dir / CREDENTIAL_FILE
-        if not path.exists():
-            return None
-        data = json.loads(path.read_text())
-        if data.get("server") != self.config.server:
-            return None
-        return DeviceCredential(data["device_id"], data["secret"])
-
-    def _save_credential(self, credential: DeviceCredential) -> None:
-        if self.config.state_dir is None:
-            return
-        self.config.state_dir.mkdir(parents=True, exist_ok=True)
-        record = {
-            "server": self.config.server,
-            "device_id": credential.device_id,
-            "secret": credential.secret,
-        }
-        write_private(self.config.state_dir / CREDENTIAL_FILE, json.dumps(record))
 
     @property
     def _me(self) -> DeviceCredential:
@@ -231,7 +208,7 @@ class Agent:
         except AuthError as exc:
             log.warning("credential refused (%s); enrolling again", exc)
             self._credential = None
-            self._forget_credential()
+            self._saved.forget()
             await self._connect()
         except Unreachable as exc:
             await self._pause(f"server unreachable ({exc})")
@@ -240,10 +217,6 @@ class Agent:
         except FlotillaError as exc:
             log.error("round failed on this device: %s", exc)
             await self._pause("after a failed round")
-
-    def _forget_credential(self) -> None:
-        if self.config.state_dir is not None:
-            (self.config.state_dir / CREDENTIAL_FILE).unlink(missing_ok=True)
 
     async def _poll(self) -> WorkOrder | None:
         poll = Poll(self._me, self._peer_id, self._pending_profile, self.config.timeouts.poll)
