@@ -59,7 +59,7 @@ from flotilla.client.training import TrainOutcome, TrainWork
 from flotilla.core.blobs import CHUNK_BYTES, sha256_hex
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import decode_state, encode_state
-from flotilla.proto import flotilla_pb2 as pb
+from flotilla.core.work import WorkOrder
 from flotilla.proto.channel import open_channel
 from flotilla.server.remote import RemoteServer
 
@@ -285,9 +285,16 @@ class CannedTrainer:
 
 class BenchAgent(Agent):
     """A real agent that does not keep the last model: 100 cached 40 MB copies in one
-    benchmark process would measure this process, not the platform."""
+    benchmark process would measure this process, not the platform. ``connected`` says
+    it has enrolled and measured its upload rate, so its next call is a poll."""
 
-    async def _fetch(self, task: pb.TrainTask) -> memoryview:
+    connected = False
+
+    async def _connect(self) -> None:
+        await super()._connect()
+        self.connected = True
+
+    async def _fetch(self, task: WorkOrder) -> memoryview:
         data = await super()._fetch(task)
         self._model = None
         return data
@@ -344,8 +351,9 @@ async def run_federation(
                 if dead:
                     dead[0].result()  # raises the agent's error
                     raise RuntimeError("an agent stopped before the job started")
-                # The profile is queued once enrolment and the speed test are done.
-                return all(getattr(a, "_pending_profile", True) is not None for a in agents)
+                # Not "all in their first held poll": under load the first polls of 100
+                # agents need not overlap, and a later poll carries no profile.
+                return all(a.connected for a in agents)
 
             await wait_until("agents to enrol", connected, AGENTS_READY_S)
             await asyncio.sleep(0.5)  # their first polls land

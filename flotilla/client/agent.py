@@ -1,7 +1,9 @@
 """The client agent: enrol, poll for rounds, train locally, upload the update, repeat.
 
 It survives a server that goes away (capped, jittered backoff, then picks up where the new
-server is), and leaves cleanly on Ctrl-C by telling the server.
+server is), and leaves cleanly on Ctrl-C by telling the server. It talks to the server
+through an :class:`~flotilla.client.transport.AgentTransport` (gRPC unless given another),
+and decides on retries from the errors of ``flotilla.core.errors`` the transport raises.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.util
-import json
 import logging
 import random
 import tempfile
@@ -20,29 +21,48 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from flotilla.client.channel import RETRYABLE, Backoff, DeviceCredential, open_channel
+from flotilla.client.backoff import Backoff
+from flotilla.client.credentials import CredentialFile
 from flotilla.client.profile import matmul_gflops, memory_bytes
 from flotilla.client.training import LocalTrainer, TrainOutcome, TrainWork
+from flotilla.client.transport import (
+    AgentTransport,
+    AverageReport,
+    DeviceCredential,
+    Enrol,
+    FetchModel,
+    Heartbeat,
+    Leave,
+    Poll,
+    ReportAverage,
+    ReserveUpload,
+    SpeedTest,
+    SubmitUpdate,
+)
 from flotilla.core.allreduce import Contribution, PeerOptions
 from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
-from flotilla.core.errors import AuthError, FlotillaError
-from flotilla.core.files import write_private
+from flotilla.core.device import DeviceProfile
+from flotilla.core.errors import (
+    AuthError,
+    FlotillaError,
+    NotFoundError,
+    Unreachable,
+    UpdateRejected,
+)
 from flotilla.core.round_config import RoundConfig
 from flotilla.core.timeouts import Timeouts
-from flotilla.proto import PROTOCOL_VERSION, bulk
-from flotilla.proto import flotilla_pb2 as pb
-from flotilla.proto import flotilla_pb2_grpc as pb_grpc
-from flotilla.proto.bulk import BlobPiece
+from flotilla.core.work import UploadHeader, WorkOrder
 
 log = logging.getLogger(__name__)
 
-CREDENTIAL_FILE = "credential.json"
 #: Seconds kept after a server-less round's all-reduce for reporting and uploading.
 REPORT_MARGIN_S = 5.0
 #: Pause before a reporter the server held and did not ask to upload reports again.
 REPORT_EVERY_S = 0.1
+#: Seconds the goodbye to the server may take when the agent stops.
+LEAVE_TIMEOUT_S = 2.0
+#: Errors that refuse one request of a round: give the round up and poll again at once.
+REFUSED = (UpdateRejected, NotFoundError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,19 +81,26 @@ class AgentConfig:
 
 
 class Agent:
-    """One device's agent. ``run`` returns only when cancelled or refused."""
+    """One device's agent. ``run`` returns only when cancelled or refused.
 
-    def __init__(self, config: AgentConfig, rng: random.Random | None = None) -> None:
+    ``transport`` defaults to gRPC to ``config.server`` (``config.tls_ca`` for TLS); the
+    agent closes it when ``run`` ends.
+    """
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        rng: random.Random | None = None,
+        transport: AgentTransport | None = None,
+    ) -> None:
         self.config = config
         self._rng = rng or random.Random()
         self._backoff = Backoff(self._rng, cap_s=config.backoff_cap_s)
+        self._transport = transport if transport is not None else grpc_transport(config)
+        self._saved = CredentialFile(config.state_dir, config.server)
         self._credential: DeviceCredential | None = None
         self._model: tuple[str, memoryview] | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.AgentStub
-        self._fetch_model: grpc.aio.UnaryStreamMultiCallable[pb.FetchModelRequest, BlobPiece]
-        self._submit_update: grpc.aio.StreamUnaryMultiCallable[bytes, pb.SubmitReply]
-        self._pending_profile: pb.DeviceProfile | None = None
+        self._pending_profile: DeviceProfile | None = None
         self._averager: Any = None  # flotilla.p2p.UpdateAverager, made at the first p2p round
         self._p2p = config.p2p
         self._peer_id = ""
@@ -85,25 +112,13 @@ class Agent:
         return self._credential.device_id if self._credential else None
 
     async def run(self) -> None:
-        self._channel = open_channel(self.config.server, self.config.tls_ca)
-        self._stub = pb_grpc.AgentStub(self._channel)
-        # The bulk calls, framed by hand (flotilla.proto.bulk) to spare model-sized copies.
-        self._fetch_model = self._channel.unary_stream(
-            "/flotilla.v1.Agent/FetchModel",
-            request_serializer=pb.FetchModelRequest.SerializeToString,
-            response_deserializer=bulk.read_blob_chunk,
-        )
-        self._submit_update = self._channel.stream_unary(
-            "/flotilla.v1.Agent/SubmitUpdate",
-            request_serializer=None,  # the messages are serialized already
-            response_deserializer=pb.SubmitReply.FromString,
-        )
         try:
             await self._connect()
             while True:
                 await self._step()
         finally:
             await self._leave()
+            await self._transport.aclose()
             if self._averager is not None:
                 await asyncio.to_thread(self._averager.shutdown)
             if self._identity_dir is not None:
@@ -111,19 +126,17 @@ class Agent:
 
     async def _connect(self) -> None:
         """Enrol (or reuse a saved credential) and measure the upload rate."""
-        self._credential = self._load_credential()
+        self._credential = self._saved.load()
         profile = await asyncio.to_thread(self._profile)
         self._peer_id = await asyncio.to_thread(self._p2p_identity)
         while self._credential is None:
             try:
                 self._credential = await self._enrol(profile)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in RETRYABLE:
-                    raise
-                await self._pause(f"server unreachable ({exc.code().name})")
+            except Unreachable as exc:
+                await self._pause(f"server unreachable ({exc})")
         self._backoff.reset()
-        profile.upload_bytes_per_s = await self._speed_test()
-        self._pending_profile = profile
+        upload = await self._speed_test()
+        self._pending_profile = dataclasses.replace(profile, upload_bytes_per_s=upload)
 
     def _p2p_identity(self) -> str:
         """This device's hivemind peer id, made before its peer starts so the server can name
@@ -139,75 +152,47 @@ class Agent:
         self._p2p = dataclasses.replace(self.config.p2p, identity_path=path)
         return ensure_identity(path)
 
-    def _profile(self) -> pb.DeviceProfile:
-        return pb.DeviceProfile(
-            tasks=[self.config.trainer.task_name],
+    def _profile(self) -> DeviceProfile:
+        """Measured here; the server learns the device id when it enrols the device."""
+        return DeviceProfile(
+            device_id="",
+            tasks=(self.config.trainer.task_name,),
             gflops=matmul_gflops(),
             memory_bytes=memory_bytes(),
         )
 
-    async def _enrol(self, profile: pb.DeviceProfile) -> DeviceCredential:
+    async def _enrol(self, profile: DeviceProfile) -> DeviceCredential:
+        enrol = Enrol(self.config.token, profile, self.config.timeouts.enrol)
         try:
-            reply = await self._stub.Enrol(
-                pb.EnrolRequest(
-                    protocol_version=PROTOCOL_VERSION, token=self.config.token, profile=profile
-                ),
-                timeout=self.config.timeouts.enrol,
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise AuthError(f"the server refused the enrolment token: {exc.details()}") from exc
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FlotillaError(exc.details() or "enrolment refused") from exc
-            raise
-        credential = DeviceCredential(reply.device_id, reply.credential)
-        self._save_credential(credential)
+            credential = await self._transport.send(enrol)
+        except AuthError as exc:
+            raise AuthError(f"the server refused the enrolment token: {exc}") from exc
+        self._saved.save(credential)
         log.info("enrolled as %s", credential.device_id)
         return credential
 
-    def _load_credential(self) -> DeviceCredential | None:
-        if self.config.state_dir is None:
-            return None
-        path = self.config.state_dir / CREDENTIAL_FILE
-        if not path.exists():
-            return None
-        data = json.loads(path.read_text())
-        if data.get("server") != self.config.server:
-            return None
-        return DeviceCredential(data["device_id"], data["secret"])
-
-    def _save_credential(self, credential: DeviceCredential) -> None:
-        if self.config.state_dir is None:
-            return
-        self.config.state_dir.mkdir(parents=True, exist_ok=True)
-        record = {
-            "server": self.config.server,
-            "device_id": credential.device_id,
-            "secret": credential.secret,
-        }
-        write_private(self.config.state_dir / CREDENTIAL_FILE, json.dumps(record))
-
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
+    @property
+    def _me(self) -> DeviceCredential:
         assert self._credential is not None
-        return self._credential.metadata()
+        return self._credential
 
     async def _speed_test(self) -> float:
         payload = bytes(min(self.config.speed_test_bytes, 1024 * 1024))
         rounds = max(1, self.config.speed_test_bytes // len(payload))
 
-        async def chunks() -> AsyncIterator[pb.SpeedChunk]:
+        async def chunks() -> AsyncIterator[bytes]:
             for _ in range(rounds):
-                yield pb.SpeedChunk(data=payload)
+                yield payload
 
         start = time.perf_counter()
         try:
-            reply = await self._stub.SpeedTest(
-                chunks(), metadata=self._metadata(), timeout=self.config.timeouts.transfer
+            sent = await self._transport.send(
+                SpeedTest(self._me, chunks(), self.config.timeouts.transfer)
             )
-        except grpc.aio.AioRpcError as exc:
-            log.warning("speed test failed (%s); reporting no upload rate", exc.code().name)
+        except FlotillaError as exc:
+            log.warning("speed test failed (%s); reporting no upload rate", exc)
             return 0.0
-        return float(reply.bytes) / max(time.perf_counter() - start, 1e-6)
+        return float(sent) / max(time.perf_counter() - start, 1e-6)
 
     async def _pause(self, why: str) -> None:
         delay = self._backoff.next_delay()
@@ -221,36 +206,26 @@ class Agent:
             if task is not None:
                 await self._work(task)
             self._backoff.reset()
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.UNAUTHENTICATED:
-                log.warning("credential refused (%s); enrolling again", exc.details())
-                self._credential = None
-                self._forget_credential()
-                await self._connect()
-            elif code in RETRYABLE:
-                await self._pause(f"server unreachable ({code.name})")
-            else:
-                log.warning("round refused: %s %s", code.name, exc.details())
+        except AuthError as exc:
+            log.warning("credential refused (%s); enrolling again", exc)
+            self._credential = None
+            self._saved.forget()
+            await self._connect()
+        except Unreachable as exc:
+            await self._pause(f"server unreachable ({exc})")
+        except REFUSED as exc:
+            log.warning("round refused: %s %s", type(exc).__name__, exc)
         except FlotillaError as exc:
             log.error("round failed on this device: %s", exc)
             await self._pause("after a failed round")
 
-    def _forget_credential(self) -> None:
-        if self.config.state_dir is not None:
-            (self.config.state_dir / CREDENTIAL_FILE).unlink(missing_ok=True)
-
-    async def _poll(self) -> pb.TrainTask | None:
-        request = pb.PollRequest(p2p_peer_id=self._peer_id)
-        if self._pending_profile is not None:
-            request.profile.CopyFrom(self._pending_profile)
-        reply = await self._stub.Poll(
-            request, metadata=self._metadata(), timeout=self.config.timeouts.poll
-        )
+    async def _poll(self) -> WorkOrder | None:
+        poll = Poll(self._me, self._peer_id, self._pending_profile, self.config.timeouts.poll)
+        task = await self._transport.send(poll)
         self._pending_profile = None
-        return reply.task if reply.HasField("task") else None
+        return task
 
-    async def _work(self, task: pb.TrainTask) -> None:
+    async def _work(self, task: WorkOrder) -> None:
         # Heartbeats run for the whole round, transfers included: a slow link must not
         # look like a dead device.
         round_open = asyncio.Event()
@@ -272,13 +247,13 @@ class Agent:
             await self._submit(task, outcome)
         finally:
             beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            with contextlib.suppress(asyncio.CancelledError, FlotillaError):
                 await beat
         self.rounds_done += 1
 
     async def _average(
         self,
-        task: pb.TrainTask,
+        task: WorkOrder,
         model: memoryview,
         outcome: TrainOutcome,
         round_open: asyncio.Event,
@@ -298,7 +273,7 @@ class Agent:
         if self._averager is None:
             self._averager = UpdateAverager(self._p2p)
         me = Contribution(self.device_id, outcome.num_samples, outcome.metrics)
-        left = task.deadline_unix - time.time() - REPORT_MARGIN_S
+        left = task.deadline - time.time() - REPORT_MARGIN_S
         token = task.round_token[:8]  # the group key is a secret: log only its start
         log.info("round %d of %s: averaging in group %s...", task.round, task.job_id, token)
         agreed = await asyncio.to_thread(
@@ -309,28 +284,17 @@ class Agent:
             "round %d of %s: agreed model %s with %d contributors",
             task.round, task.job_id, sha, len(agreed.contributors),
         )  # fmt: skip
-        report = pb.AverageReport(
-            job_id=task.job_id,
-            round=task.round,
-            round_token=task.round_token,
+        report = AverageReport(
             model_sha256=sha,
             group_id=agreed.group_id,
-            contributors=[
-                pb.Participation(
-                    device_id=c.device_id, num_samples=c.num_samples, metrics=c.metrics
-                )
-                for c in agreed.contributors
-            ],
-            allreduce_seconds=agreed.seconds,
+            contributors=tuple(agreed.contributors),
+            allreduce_s=agreed.seconds,
             reverted=agreed.reverted,
         )
         timeouts = self.config.timeouts
-        while round_open.is_set() and time.time() < task.deadline_unix:
-            reply = await self._stub.ReportAverage(
-                report,
-                metadata=self._metadata(),
-                timeout=timeouts.report_hold + timeouts.heartbeat,
-            )
+        hold_s = timeouts.report_hold + timeouts.heartbeat
+        while round_open.is_set() and time.time() < task.deadline:
+            reply = await self._transport.send(ReportAverage(self._me, task.ref, report, hold_s))
             if reply.upload:
                 upload = TrainOutcome(outcome.num_samples, outcome.metrics, payload)
                 await self._submit(task, upload)
@@ -342,17 +306,13 @@ class Agent:
     async def _heartbeat(self, round_token: str, round_open: asyncio.Event) -> None:
         while True:
             await asyncio.sleep(self.config.timeouts.heartbeat_every)
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                reply = await self._stub.Heartbeat(
-                    pb.HeartbeatRequest(round_token=round_token),
-                    metadata=self._metadata(),
-                    timeout=self.config.timeouts.heartbeat,
-                )
-                if not reply.round_open:
+            beat = Heartbeat(self._me, round_token, self.config.timeouts.heartbeat)
+            with contextlib.suppress(FlotillaError):
+                if not await self._transport.send(beat):
                     round_open.clear()
                     return
 
-    async def _fetch(self, task: pb.TrainTask) -> memoryview:
+    async def _fetch(self, task: WorkOrder) -> memoryview:
         if self._model is not None and self._model[0] == task.model_sha256:
             return self._model[1]
         data: memoryview | None = None
@@ -364,20 +324,16 @@ class Agent:
         self._model = (task.model_sha256, data)
         return data
 
-    async def _fetch_blob(self, task: pb.TrainTask, sha256: str, size: int) -> memoryview:
+    async def _fetch_blob(self, task: WorkOrder, sha256: str, size: int) -> memoryview:
         if size > self.config.max_model_bytes:
             raise FlotillaError(f"model of {size} bytes is over this device's limit")
         assembler = BlobAssembler(size, sha256, self.config.max_model_bytes)
-        call = self._fetch_model(
-            pb.FetchModelRequest(job_id=task.job_id, sha256=sha256),
-            metadata=self._metadata(),
-            timeout=self.config.timeouts.transfer,
-        )
-        async for chunk in call:
-            assembler.add(chunk.data, chunk.offset)
+        fetch = FetchModel(self._me, task.job_id, sha256, self.config.timeouts.transfer)
+        async for chunk in await self._transport.send(fetch):
+            assembler.add(chunk)
         return assembler.finish()
 
-    async def _fetch_delta(self, task: pb.TrainTask, base: memoryview) -> memoryview | None:
+    async def _fetch_delta(self, task: WorkOrder, base: memoryview) -> memoryview | None:
         """The new model rebuilt from the one held plus the broadcast delta, or None (then
         the whole model is fetched) when the rebuild does not hash to the server's."""
         delta = await self._fetch_blob(task, task.delta_sha256, task.delta_size)
@@ -387,55 +343,45 @@ class Agent:
             log.warning("downlink delta unusable (%s); fetching the whole model", exc)
             return None
 
-    async def _submit(self, task: pb.TrainTask, outcome: TrainOutcome) -> None:
+    async def _submit(self, task: WorkOrder, outcome: TrainOutcome) -> None:
         # Wait for room on the server first (while heartbeats go on), then stream at once.
-        reserved = await self._stub.ReserveUpload(
-            pb.ReserveUploadRequest(
-                job_id=task.job_id,
-                round=task.round,
-                round_token=task.round_token,
-                payload_size=len(outcome.payload),
-            ),
-            metadata=self._metadata(),
-            timeout=max(1.0, task.deadline_unix - time.time() + 5.0),
-        )
-        header = pb.UpdateHeader(
-            job_id=task.job_id,
-            round=task.round,
-            round_token=task.round_token,
+        size = len(outcome.payload)
+        wait_s = max(1.0, task.deadline - time.time() + 5.0)
+        reserved = await self._transport.send(ReserveUpload(self._me, task.ref, size, wait_s))
+        header = UploadHeader(
+            ref=task.ref,
             num_samples=outcome.num_samples,
-            metrics=outcome.metrics,
-            payload_size=len(outcome.payload),
+            payload_size=size,
             payload_sha256=outcome.payload_sha256,
             codec=outcome.codec,
-            reservation=reserved.reservation,
+            metrics=outcome.metrics,
+            reservation=reserved.key,
         )
 
-        async def chunks() -> AsyncIterator[bytes]:
-            yield bulk.update_header(header)
+        async def chunks() -> AsyncIterator[memoryview]:
             for piece in iter_chunks(outcome.payload):
-                yield bulk.update_data(piece)
+                yield piece
 
-        reply = await self._submit_update(
-            chunks(), metadata=self._metadata(), timeout=self.config.timeouts.transfer
-        )
-        log.info("round %d of %s: %s", task.round, task.job_id, reply.detail)
+        submit = SubmitUpdate(self._me, header, chunks(), self.config.timeouts.transfer)
+        receipt = await self._transport.send(submit)
+        log.info("round %d of %s: %s", task.round, task.job_id, receipt.detail)
 
     async def _leave(self) -> None:
-        if self._channel is None:
+        if self._credential is None:
             return
-        if self._credential is not None:
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-                await self._stub.Leave(
-                    pb.LeaveRequest(reason="agent stopped"),
-                    metadata=self._metadata(),
-                    timeout=2.0,
-                )
-        await self._channel.close(None)
-        self._channel = None
+        with contextlib.suppress(FlotillaError, asyncio.CancelledError):
+            await self._transport.send(Leave(self._me, "agent stopped", LEAVE_TIMEOUT_S))
 
 
-def rebuild_model(base: memoryview, delta: memoryview, task: pb.TrainTask) -> memoryview:
+def grpc_transport(config: AgentConfig) -> AgentTransport:
+    """The default transport: gRPC to ``config.server``. Imported here, so an agent on
+    another transport (tests, in-process) never loads grpc."""
+    from flotilla.client.grpc_transport import GrpcTransport
+
+    return GrpcTransport(config.server, config.tls_ca)
+
+
+def rebuild_model(base: memoryview, delta: memoryview, task: WorkOrder) -> memoryview:
     """safetensors of ``base + decode(delta)``, checked against the task's model SHA-256."""
     from flotilla.compression import apply_delta, decode_state_with, make_codec
     from flotilla.core.errors import IntegrityError

@@ -1,15 +1,21 @@
-"""The agent's connection: channel options, credentials metadata and retry pacing."""
+"""The agent's gRPC connection: channel options, credential metadata, retryable codes."""
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
-
 import grpc
 
+from flotilla.client.backoff import Backoff
+from flotilla.client.transport import DeviceCredential
 from flotilla.proto.channel import MAX_MESSAGE_BYTES, open_channel
 
-__all__ = ["MAX_MESSAGE_BYTES", "RETRYABLE", "Backoff", "DeviceCredential", "open_channel"]
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "RETRYABLE",
+    "Backoff",
+    "DeviceCredential",
+    "credential_metadata",
+    "open_channel",
+]
 
 #: Status codes after which the agent waits and tries again: the server is away or busy.
 RETRYABLE = frozenset(
@@ -25,28 +31,9 @@ RETRYABLE = frozenset(
 )
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceCredential:
-    device_id: str
-    secret: str
-
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("x-flotilla-device", self.device_id), ("authorization", f"Bearer {self.secret}"))
-
-
-@dataclass(slots=True)
-class Backoff:
-    """Capped exponential backoff with full jitter, so a fleet does not reconnect in step."""
-
-    rng: random.Random
-    base_s: float = 0.25
-    cap_s: float = 10.0
-    attempt: int = 0
-
-    def next_delay(self) -> float:
-        ceiling = min(self.cap_s, self.base_s * 2**self.attempt)
-        self.attempt += 1
-        return self.rng.uniform(ceiling / 2, ceiling)
-
-    def reset(self) -> None:
-        self.attempt = 0
+def credential_metadata(credential: DeviceCredential) -> tuple[tuple[str, str], ...]:
+    """The call metadata the server authenticates a device by."""
+    return (
+        ("x-flotilla-device", credential.device_id),
+        ("authorization", f"Bearer {credential.secret}"),
+    )

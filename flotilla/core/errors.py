@@ -10,6 +10,7 @@
     │   └── StaleRoundError  the update is for a round that is no longer open
     ├── AuthError            missing or wrong credentials
     ├── NotFoundError        an unknown job, device or blob
+    ├── Unreachable          the server is away, busy or too slow: worth trying again
     ├── TaskLoadError        a task entry point cannot be imported
     ├── ConflictError        a write that contradicts what is stored
     │   ├── RoundConflict    a round commit out of order, repeated, or on a finished job
@@ -57,6 +58,11 @@ class NotFoundError(FlotillaError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "not found"
+
+
+class Unreachable(FlotillaError):
+    """The server did not answer in time, is not running, or is too busy: a transport's
+    one retryable error (connection refused or reset, deadline passed, overloaded)."""
 
 
 class TaskLoadError(FlotillaError, ImportError):
