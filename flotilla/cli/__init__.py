@@ -1,6 +1,12 @@
 """``flotilla <command>``: server, client, job, devices, demo, simulate, volunteer.
 
-Errors map to exit codes, not tracebacks.
+Errors map to exit codes, not tracebacks. Each command imports what it needs when it
+runs, so ``flotilla --help`` loads neither grpc nor the database stack.
+
+- ``volunteer``: the ``flotilla volunteer`` commands (hivemind is imported only there).
+- ``demo``: ``flotilla demo``, a real local federation.
+- ``remote``: :class:`RemoteServer`, the operator's gRPC client the ``job`` and
+  ``devices`` commands use, and the JSON shapes they print.
 """
 
 from __future__ import annotations
@@ -16,6 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError
+
+#: What ``flotilla --help`` says first.
+DESCRIPTION = """``flotilla <command>``: server, client, job, devices, demo, simulate, volunteer.
+
+Errors map to exit codes, not tracebacks.
+"""
 
 EXIT_CODES: dict[type[FlotillaError], int] = {SpecError: 2, AuthError: 3, NotFoundError: 4}
 
@@ -42,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flotilla", description=__doc__)
+    parser = argparse.ArgumentParser(prog="flotilla", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _server_parser(commands)
@@ -57,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the results as JSON")
     demo.set_defaults(handler=_demo)
     _simulate_parser(commands)
-    from flotilla.cli_volunteer import add_volunteer_parser
+    from flotilla.cli.volunteer import add_volunteer_parser
 
     add_volunteer_parser(commands)
     return parser
@@ -179,7 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SpecError("--tls-cert and --tls-key go together")
-    from flotilla.server.volunteer_host import VolunteerRunSpec
+    from flotilla.server.hosting.volunteers import VolunteerRunSpec
 
     single_threaded_blas()
     config = ServerConfig(
@@ -200,7 +212,7 @@ def _serve(args: argparse.Namespace) -> int:
         port = await server.start()
         print(f"flotilla server listening on {args.host}:{port}", flush=True)
         for run in server.volunteers.infos():
-            print(f"volunteer run {run['run']}: {' '.join(run['maddrs'])}", flush=True)
+            print(f"volunteer run {run.run}: {' '.join(run.maddrs)}", flush=True)
         try:
             await server.wait()
         finally:
@@ -323,7 +335,7 @@ def _devices_parser(commands: Any) -> None:
 
 
 def _devices_list(args: argparse.Namespace) -> int:
-    from flotilla.server.remote import device_json
+    from flotilla.cli.remote import device_json
 
     async def go() -> int:
         async with _remote(args) as remote:
@@ -345,7 +357,7 @@ def _devices_list(args: argparse.Namespace) -> int:
 
 
 def _remote(args: argparse.Namespace) -> Any:
-    from flotilla.server.remote import RemoteServer, operator_token
+    from flotilla.cli.remote import RemoteServer, operator_token
 
     return RemoteServer(args.server, operator_token(args.state_dir, args.token), args.tls_ca)
 
@@ -373,7 +385,7 @@ def _job_submit(args: argparse.Namespace) -> int:
 
 
 def _job_list(args: argparse.Namespace) -> int:
-    from flotilla.server.remote import job_json
+    from flotilla.cli.remote import job_json
 
     async def go() -> int:
         async with _remote(args) as remote:
@@ -393,7 +405,7 @@ def _job_list(args: argparse.Namespace) -> int:
 
 
 def _job_status(args: argparse.Namespace) -> int:
-    from flotilla.server.remote import job_json
+    from flotilla.cli.remote import job_json
 
     async def go() -> int:
         async with _remote(args) as remote:
@@ -435,7 +447,7 @@ def _job_export(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from flotilla.demo import run_demo
+    from flotilla.cli.demo import run_demo
 
     return run_demo(args.agents, args.rounds, args.jobs, args.state_dir, args.json)
 
