@@ -75,25 +75,25 @@ class Federation:
         hosted: Hosted,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.config = config
-        self.store = store
-        self.blobs = BlobStore(config.state_dir / "blobs")
-        self.pool = DevicePool(clock=clock)
-        self.gateway = Gateway(self.pool, clock)
+        self._config = config
+        self._store = store
+        self._blobs = BlobStore(config.state_dir / "blobs")
+        self._pool = DevicePool(clock=clock)
+        self._gateway = Gateway(self._pool, clock)
         engine = config.engine
-        self.arbiter = Arbiter(self.pool, clock, engine.selection_grace_s, engine.idle_poll_s)
+        self._arbiter = Arbiter(self._pool, clock, engine.selection_grace_s, engine.idle_poll_s)
         self._hosted = hosted
-        self._devices = Devices(store, self.pool, clock)
+        self._devices = Devices(store, self._pool, clock)
         self._uploads = Uploads(
-            self.gateway, self.pool, upload_budget, config.timeouts.upload_idle, clock
+            self._gateway, self._pool, upload_budget, config.timeouts.upload_idle, clock
         )
         self._jobs = Jobs(
             JobsConfig(engine, config.state_dir),
             store,
-            self.blobs,
-            self.pool,
-            self.gateway,
-            self.arbiter,
+            self._blobs,
+            self._pool,
+            self._gateway,
+            self._arbiter,
             hosted.rendezvous,
         )
         self._download_slots = asyncio.Semaphore(config.download_slots)
@@ -104,11 +104,11 @@ class Federation:
 
     async def close(self) -> None:
         await self._jobs.stop()
-        await self.arbiter.close()
+        await self._arbiter.close()
 
     def reap(self) -> list[str]:
         """Drop devices silent for longer than the liveness window; their ids."""
-        return self.gateway.reap(self.config.timeouts.liveness)
+        return self._gateway.reap(self._config.timeouts.liveness)
 
     # --- callers -------------------------------------------------------------------------
 
@@ -119,7 +119,7 @@ class Federation:
         return await self._devices.authenticate(device_id, secret)
 
     async def authenticate_operator(self, token: str | None) -> None:
-        if not token or not await self.store.has_operator_token(auth.hash_secret(token)):
+        if not token or not await self._store.has_operator_token(auth.hash_secret(token)):
             raise AuthError("operator token refused")
 
     # --- a device's side -----------------------------------------------------------------
@@ -131,27 +131,27 @@ class Federation:
         if p2p_peer_id:
             self._hosted.rendezvous.peer_seen(device.id, p2p_peer_id)
         await self._devices.seen(device, profile)
-        timeouts = self.config.timeouts
+        timeouts = self._config.timeouts
         # A held poll is a live device: hold it for less than the liveness window, so the
         # reaper never drops an agent that is simply waiting for work.
         hold = min(timeouts.poll_hold, timeouts.liveness / 2)
-        return await self.gateway.poll(device.id, hold)
+        return await self._gateway.poll(device.id, hold)
 
     def heartbeat(self, device: DeviceRecord, round_token: str) -> bool:
         """A training device is alive; whether its round is still open."""
-        self.pool.touch(device.id)
-        return self.gateway.round_open(round_token)
+        self._pool.touch(device.id)
+        return self._gateway.round_open(round_token)
 
     async def fetch_model(
         self, device: DeviceRecord, sha256: str
     ) -> AsyncGenerator[BlobSlice, None]:
         """The model (or delta) a device's open round assigned it, chunk by chunk."""
-        if not self.gateway.assigned_model(device.id, sha256):
+        if not self._gateway.assigned_model(device.id, sha256):
             raise StaleRoundError("stale round: that model is not assigned to this device")
         async for piece in self._stream_blob(sha256):
-            self.gateway.count_download(device.id, sha256, len(piece.data))
+            self._gateway.count_download(device.id, sha256, len(piece.data))
             yield piece
-            self.pool.touch(device.id)  # a long download is a sign of life
+            self._pool.touch(device.id)  # a long download is a sign of life
 
     async def reserve_upload(self, device: DeviceRecord, ref: RoundRef, size: int) -> Reservation:
         return await self._uploads.reserve(device.id, ref, size)
@@ -165,12 +165,12 @@ class Federation:
     async def report_average(
         self, device: DeviceRecord, ref: RoundRef, report: Reported
     ) -> ReportVerdict:
-        hold = self.config.timeouts.report_hold
+        hold = self._config.timeouts.report_hold
         return await self._uploads.report(device.id, ref, report, hold)
 
     def leave(self, device: DeviceRecord, reason: str) -> None:
-        self.gateway.fail(device.id, f"left: {reason or 'no reason given'}")
-        self.pool.leave(device.id)
+        self._gateway.fail(device.id, f"left: {reason or 'no reason given'}")
+        self._pool.leave(device.id)
         log.info("device %s left (%s)", device.id, reason)
 
     # --- an operator's side --------------------------------------------------------------
@@ -179,11 +179,11 @@ class Federation:
         return await self._jobs.submit_job(spec_json)
 
     async def list_jobs(self) -> list[JobRecord]:
-        return await self.store.list_jobs()
+        return await self._store.list_jobs()
 
     async def get_job(self, job_id: str, with_rounds: bool = False) -> JobDetail:
         job = await self._jobs.get(job_id)
-        rounds = tuple(await self.store.list_rounds(job.id)) if with_rounds else None
+        rounds = tuple(await self._store.list_rounds(job.id)) if with_rounds else None
         return JobDetail(job, rounds)
 
     async def cancel_job(self, job_id: str) -> JobRecord:
@@ -204,10 +204,10 @@ class Federation:
     # --- blobs ---------------------------------------------------------------------------
 
     async def _stream_blob(self, sha256: str) -> AsyncGenerator[BlobSlice, None]:
-        size = self.blobs.size(sha256)
+        size = self._blobs.size(sha256)
         offset = 0
         async with self._download_slots:
-            for data in self.blobs.iter_chunks(sha256, self.config.download_chunk_bytes):
+            for data in self._blobs.iter_chunks(sha256, self._config.download_chunk_bytes):
                 first = offset == 0
                 yield BlobSlice(
                     data, offset, total_size=size if first else 0, sha256=sha256 if first else ""
