@@ -19,7 +19,9 @@ import pytest
 
 from flotilla.cli.remote import _ERRORS as CLIENT_ERRORS
 from flotilla.core import errors
+from flotilla.proto import flotilla_pb2 as pb
 from flotilla.server.grpc.status import STATUS, Refusal, guarded, status_of
+from tests.live_grpc import LiveServer, live_server, refused
 
 SERVER = Path(__file__).resolve().parent.parent / "flotilla" / "server"
 
@@ -158,3 +160,51 @@ def test_the_edges_and_hosting_never_reach_back_into_the_composition_root() -> N
 
 def test_nothing_in_the_server_imports_p2p_or_the_cli() -> None:
     assert _offenders(SERVER, ("flotilla.p2p", "hivemind", "flotilla.cli")) == []
+
+
+# --- the same codes and messages over a real gRPC server ------------------------------
+
+
+@pytest.fixture
+async def live(tmp_path: Path) -> AsyncIterator[LiveServer]:
+    async with live_server(tmp_path / "state", speed_test_max_bytes=4096) as srv:
+        yield srv
+
+
+async def _drain(call: Any) -> None:
+    async for _ in call:
+        pass
+
+
+@pytest.mark.timeout(120)
+async def test_refusals_only_the_edge_makes_and_unknown_jobs_keep_their_codes(
+    live: LiveServer,
+) -> None:
+    device = await live.enrol()
+    chunks = [pb.SpeedChunk(data=bytes(1024))] * 5  # one KiB past the limit
+    await refused(
+        live.stream_call(live.sync_agent.SpeedTest, chunks, device.md),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "speed test too long",
+    )
+    fetch = live.agent.FetchModel(
+        pb.FetchModelRequest(job_id="j", sha256="0" * 64), metadata=device.md, timeout=10
+    )
+    await refused(_drain(fetch), grpc.StatusCode.FAILED_PRECONDITION, "not assigned")
+
+    op = live.operator
+    missing = pb.GetJobRequest(job_id="job-nope")
+    for call in (
+        op.GetJob(missing, metadata=live.op_md, timeout=10),
+        op.CancelJob(missing, metadata=live.op_md, timeout=10),
+        _drain(op.ExportModel(missing, metadata=live.op_md, timeout=10)),
+    ):
+        await refused(call, grpc.StatusCode.NOT_FOUND, "unknown job 'job-nope'")
+    job_id = await live.submit()
+    cancelled = await op.CancelJob(pb.GetJobRequest(job_id=job_id), metadata=live.op_md)
+    assert cancelled.state == "cancelled"
+    again = await op.CancelJob(pb.GetJobRequest(job_id=job_id), metadata=live.op_md, timeout=10)
+    assert again.state == "cancelled", "cancelling twice is no error"
+    devices = await op.ListDevices(pb.ListDevicesRequest(), metadata=live.op_md, timeout=10)
+    (listed,) = devices.devices
+    assert listed.id == device.device_id and listed.state == "offline", listed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -59,5 +60,7 @@ class OperatorServicer:
         self, request: pb.GetJobRequest, context: Context
     ) -> AsyncIterator[bytes]:
         await self._operator(context)
-        async for piece in self._federation.export_model(request.job_id):
-            yield wire.blob_to_wire(piece)
+        # Closed even when the caller hangs up mid-stream, so its download slot is freed.
+        async with contextlib.aclosing(self._federation.export_model(request.job_id)) as pieces:
+            async for piece in pieces:
+                yield wire.blob_to_wire(piece)
