@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from flotilla.core.blobs import CHUNK_BYTES
 from flotilla.core.blobstore import BlobStore
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError
@@ -53,7 +54,7 @@ class FederationConfig:
     engine: EngineConfig
     #: Model downloads streamed at once; the rest wait (each holds transport buffers).
     download_slots: int = 2
-    download_chunk_bytes: int = 1024 * 1024
+    download_chunk_bytes: int = CHUNK_BYTES
 
 
 @dataclass(frozen=True, slots=True)
