@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from flotilla.core.errors import FlotillaError, WireError
+from flotilla.core.errors import WireError
 from flotilla.core.records import DeviceRecord
 from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
@@ -37,9 +37,10 @@ class AgentServicer:
 
     async def Enrol(self, request: pb.EnrolRequest, context: Context) -> pb.EnrolReply:
         if request.protocol_version != PROTOCOL_VERSION:
-            raise FlotillaError(
+            raise Refusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
                 f"protocol version {request.protocol_version} not supported; "
-                f"this server speaks {PROTOCOL_VERSION}"
+                f"this server speaks {PROTOCOL_VERSION}",
             )
         enrolment = await self._federation.enrol(
             request.token, wire.profile_from_pb(request.profile)

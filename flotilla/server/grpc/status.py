@@ -33,13 +33,14 @@ STATUS: Mapping[type[BaseException], grpc.StatusCode] = {
     WireError: grpc.StatusCode.INVALID_ARGUMENT,
     StaleRoundError: grpc.StatusCode.FAILED_PRECONDITION,
     UpdateRejected: grpc.StatusCode.INVALID_ARGUMENT,
-    # A refused state change, an exhausted budget, a protocol this server does not speak.
+    # A refused state change, an exhausted privacy budget, a hosted peer that did not start.
     FlotillaError: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
 class Refusal(Exception):
-    """A limit of the gRPC edge itself (a stalled download, an overlong speed test)."""
+    """A refusal of the gRPC edge itself, not the core's: a protocol version it does not
+    speak, a stalled download, an overlong speed test."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
