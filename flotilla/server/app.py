@@ -20,7 +20,8 @@ from flotilla.core.timeouts import Timeouts
 from flotilla.engine import EngineConfig
 from flotilla.server.federation import auth
 from flotilla.server.federation.budget import ByteBudget
-from flotilla.server.federation.facade import Federation, FederationConfig, Hosted
+from flotilla.server.federation.facade import Federation, FederationConfig
+from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.store import Store, default_url
 from flotilla.server.grpc.edge import GrpcEdge, GrpcSettings
 from flotilla.server.hosting.rendezvous import Rendezvous

@@ -29,7 +29,7 @@ from flotilla.server.federation.budget import ByteBudget
 from flotilla.server.federation.devices import Devices
 from flotilla.server.federation.gateway import Gateway
 from flotilla.server.federation.jobs import Jobs, JobsConfig
-from flotilla.server.federation.ports import Rendezvous, VolunteerRuns
+from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.store import Store
 from flotilla.server.federation.uploads import Uploads
 from flotilla.server.federation.views import (
@@ -55,14 +55,6 @@ class FederationConfig:
     #: Model downloads streamed at once; the rest wait (each holds transport buffers).
     download_slots: int = 2
     download_chunk_bytes: int = CHUNK_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class Hosted:
-    """The hivemind peers the server hosts, as the core sees them."""
-
-    rendezvous: Rendezvous
-    volunteers: VolunteerRuns
 
 
 class Federation:

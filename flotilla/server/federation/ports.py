@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from flotilla.core.errors import SpecError
@@ -35,6 +36,14 @@ class VolunteerRuns(Protocol):
     """The volunteer runs this server coordinates."""
 
     def infos(self) -> Sequence[VolunteerRunInfo]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Hosted:
+    """The hivemind peers the server hosts, as the core sees them."""
+
+    rendezvous: Rendezvous
+    volunteers: VolunteerRuns
 
 
 def require_p2p() -> None:
