@@ -54,6 +54,7 @@ import numpy as np
 import psutil
 from provenance import revision  # benchmarks/ is the script's sys.path[0]
 
+from flotilla.cli.remote import RemoteServer
 from flotilla.client.agent import Agent, AgentConfig
 from flotilla.client.training import TrainOutcome, TrainWork
 from flotilla.core.blobs import CHUNK_BYTES, sha256_hex
@@ -61,7 +62,6 @@ from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import decode_state, encode_state
 from flotilla.core.work import WorkOrder
 from flotilla.proto.channel import open_channel
-from flotilla.server.remote import RemoteServer
 
 MiB = 1024 * 1024
 #: The constant in the memory floor: interpreter, gRPC and allocator slack, not the model.

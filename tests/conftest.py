@@ -180,7 +180,7 @@ class ServerProcess:
         return last[0]
 
     async def _poll(self, done: Callable[[Any], Awaitable[bool]], timeout: float) -> bool:
-        from flotilla.server.remote import RemoteServer, operator_token
+        from flotilla.cli.remote import RemoteServer, operator_token
 
         token = operator_token(self.state_dir, None)
         deadline = time.monotonic() + timeout

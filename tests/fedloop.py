@@ -19,7 +19,7 @@ from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import decode_state, encode_state, state_spec
 from flotilla.engine import JobPlan
 from flotilla.engine.evaluation import initial_model, server_evaluator
-from flotilla.server.agent_service import decode_update
+from flotilla.server.federation.uploads import decode_update
 from flotilla.tasks import Shard
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"

@@ -83,7 +83,7 @@ def plan_order(spec: JobSpec, job_id: str = "j", seed: int = 1) -> TrainWork:
 
 def test_the_uplink_codec_shrinks_the_update_and_the_server_decodes_it() -> None:
     from flotilla.compression import make_codec
-    from flotilla.server.agent_service import decode_update
+    from flotilla.server.federation.uploads import decode_update
 
     global_state = model_state(DigitsTask().build_model(0))
     layout = state_spec(global_state)

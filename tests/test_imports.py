@@ -27,7 +27,13 @@ HEAVY_CHECKS = {
     "flotilla.client": ("sqlalchemy", "hivemind", "aiohttp", "flotilla.server"),
     "flotilla.core": ("torch", "grpc", "sqlalchemy", "aiohttp", "hivemind"),
     "flotilla.tasks": ("torch", "sklearn"),
-    "flotilla.server.remote": ("sqlalchemy", "aiohttp", "torch"),
+    "flotilla.cli.remote": ("sqlalchemy", "aiohttp", "torch", "flotilla.server"),
+    # The server's core knows no transport and no hosted peer; the server never loads p2p.
+    "flotilla.server.federation.facade": (
+        "grpc", "flotilla.proto", "flotilla.server.grpc", "flotilla.server.hosting",
+        "flotilla.p2p", "hivemind",
+    ),
+    "flotilla.server.app": ("flotilla.p2p", "hivemind", "flotilla.cli"),
     "flotilla.engine": ("flotilla.server", "flotilla.client", "torch", "sqlalchemy", "grpc"),
     "flotilla.aggregation": ("flotilla.server", "flotilla.client", "torch", "grpc"),
     "flotilla.scheduling": ("flotilla.server", "flotilla.client", "torch", "grpc"),

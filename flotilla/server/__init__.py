@@ -1,13 +1,16 @@
 """The federation server.
 
-- ``app``: :class:`FederationServer` and :class:`ServerConfig`: wires everything, resumes jobs.
-- ``agent_service`` / ``operator_service``: the gRPC handlers for agents and operators.
-- ``gateway``: :class:`Gateway`, the real-device Backend the round engine dispatches to.
-- ``store`` / ``schema`` / ``records``: persistence (SQLAlchemy 2, SQLite or PostgreSQL).
-- ``auth``: tokens and credentials (hashes only are stored).
-- ``remote``: :class:`RemoteServer`, the operator's gRPC client used by the CLI.
+- ``app``: :class:`ServerConfig` and :class:`FederationServer`, the composition root:
+  store, core, gRPC edge, reaper and hosted peers, started and stopped together.
+- ``federation``: the transport-free core: the :class:`Federation` facade over devices,
+  jobs, uploads and blobs; :class:`Gateway`, :class:`Store`, auth, the upload budget.
+- ``grpc``: the gRPC edge: servicers, protobuf <-> core conversion, the error -> status table.
+- ``hosting``: the hivemind peers the server runs as child processes (volunteer-run
+  coordinators, the rendezvous of server-less rounds).
+- ``process`` / ``memory``: settings of the server's whole process (BLAS threads, heap trim).
 
-Exports load lazily so ``import flotilla.server.remote`` stays free of the database stack.
+The operator's client (``RemoteServer``) lives with the CLI, in ``flotilla.cli.remote``.
+Exports load lazily, so importing one submodule does not load the database stack.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from typing import Any
 _EXPORTS = {
     "FederationServer": "flotilla.server.app",
     "ServerConfig": "flotilla.server.app",
+    "Federation": "flotilla.server.federation.facade",
     "Gateway": "flotilla.server.federation.gateway",
     "Store": "flotilla.server.federation.store",
-    "RemoteServer": "flotilla.server.remote",
 }
 
 __all__ = sorted(_EXPORTS)

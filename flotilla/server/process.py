@@ -16,8 +16,9 @@ log = logging.getLogger(__name__)
 def single_threaded_blas() -> None:
     """Limit every BLAS loaded in this process (and SciPy's, loaded here) to one thread."""
     try:
-        import scipy.linalg.blas  # noqa: F401  (loaded now, so the limit reaches it)
-        from threadpoolctl import threadpool_limits
+        # Loaded now, so the limit reaches it. Neither package ships type hints.
+        import scipy.linalg.blas  # type: ignore[import-untyped]  # noqa: F401
+        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
     except ImportError:  # pragma: no cover - both ship with the server extra
         log.debug("threadpoolctl or scipy missing; BLAS threads left as they are")
         return

@@ -179,7 +179,7 @@ def _coordinate(args: argparse.Namespace) -> int:
 def _runs(args: argparse.Namespace) -> int:
     import asyncio
 
-    from flotilla.server.remote import RemoteServer, operator_token
+    from flotilla.cli.remote import RemoteServer, operator_token
 
     async def go() -> list[dict[str, Any]]:
         token = operator_token(args.state_dir, args.token)

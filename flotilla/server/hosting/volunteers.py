@@ -14,10 +14,10 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from flotilla.core.errors import SpecError
-from flotilla.server.children import spawn_ready, stop_child
+from flotilla.server.federation.views import VolunteerRunInfo
+from flotilla.server.hosting.children import spawn_ready, stop_child
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,16 +34,18 @@ class VolunteerRunSpec:
         return cls(run.strip(), task.strip())
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class HostedRun:
     spec: VolunteerRunSpec
     state_dir: Path
     proc: asyncio.subprocess.Process
-    maddrs: list[str]
+    maddrs: tuple[str, ...]
     public_key: str
 
 
 class VolunteerHost:
+    """Starts each volunteer run's coordinator, reports on them, and stops them."""
+
     def __init__(
         self,
         specs: Sequence[VolunteerRunSpec],
@@ -69,20 +71,20 @@ class VolunteerHost:
             args += ["--host-maddrs", *self._host_maddrs]
         what = f"volunteer run {spec.run!r}"
         proc, info = await spawn_ready(args, state, "coordinator.json", what)
-        return HostedRun(spec, state, proc, list(info["maddrs"]), str(info["public_key"]))
+        return HostedRun(spec, state, proc, tuple(info["maddrs"]), str(info["public_key"]))
 
-    def infos(self) -> list[dict[str, Any]]:
+    def infos(self) -> list[VolunteerRunInfo]:
         out = []
         for h in self.runs:
             status = h.state_dir / "status.json"
             out.append(
-                {
-                    "run": h.spec.run,
-                    "task": h.spec.task,
-                    "maddrs": h.maddrs,
-                    "coordinator_key": h.public_key,
-                    "status_json": status.read_text() if status.exists() else "",
-                }
+                VolunteerRunInfo(
+                    run=h.spec.run,
+                    task=h.spec.task,
+                    maddrs=h.maddrs,
+                    coordinator_key=h.public_key,
+                    status_json=status.read_text() if status.exists() else "",
+                )
             )
         return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -16,10 +17,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flotilla.core.spec import JobSpec
+
+if TYPE_CHECKING:
+    from flotilla.server.federation.store import Store
 
 DIGITS_TASK = "flotilla.tasks.digits:DigitsTask"
 
@@ -66,7 +72,20 @@ def stop_agents(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -
             proc.wait()
 
 
-async def _federate(state: Path, agents: int, rounds: int, jobs: int, quiet: bool) -> list[dict]:
+@dataclass(frozen=True, slots=True)
+class DemoJob:
+    """How one of the demo's jobs went (``--json`` prints these)."""
+
+    id: str
+    name: str
+    state: str
+    #: Held-out accuracy after each committed round.
+    accuracy: list[float | None]
+    #: The devices of each committed round.
+    participants: list[list[str]]
+
+
+async def _federate(state: Path, agents: int, rounds: int, jobs: int, quiet: bool) -> list[DemoJob]:
     from tqdm import tqdm
 
     from flotilla.server.app import FederationServer, ServerConfig
@@ -111,36 +130,40 @@ async def _federate(state: Path, agents: int, rounds: int, jobs: int, quiet: boo
             await asyncio.sleep(0.5)
         for bar in bars:
             bar.close()
-        return [await _summary(server, job_id) for job_id in ids]
+        return [await _summary(server.store, job_id) for job_id in ids]
     finally:
         await asyncio.to_thread(stop_agents, procs)
         await server.stop()
 
 
-async def _summary(server: object, job_id: str) -> dict:
-    store = server.store  # type: ignore[attr-defined]
+async def _summary(store: Store, job_id: str) -> DemoJob:
     job = await store.get_job(job_id)
+    assert job is not None, job_id
     rounds = await store.list_rounds(job_id)
-    return {
-        "id": job.id,
-        "name": job.name,
-        "state": job.state,
-        "accuracy": [r.metrics.get("accuracy") for r in rounds],
-        "participants": [[p.device_id for p in r.participants] for r in rounds],
-    }
+    return DemoJob(
+        id=job.id,
+        name=job.name,
+        state=job.state,
+        accuracy=[r.metrics.get("accuracy") for r in rounds],
+        participants=[[p.device_id for p in r.participants] for r in rounds],
+    )
 
 
-def print_table(results: list[dict]) -> None:
-    names = [r["name"] for r in results]
+def _cell(accuracy: float | None) -> str:
+    return f"{accuracy:>10.4f}" if accuracy is not None else f"{'-':>10}"
+
+
+def print_table(results: list[DemoJob]) -> None:
+    names = [r.name for r in results]
     print("\nheld-out accuracy per round")
     print("round " + " ".join(f"{n:>10}" for n in names))
-    for i in range(max(len(r["accuracy"]) for r in results)):
+    for i in range(max(len(r.accuracy) for r in results)):
         cells = []
         for r in results:
-            acc = r["accuracy"][i] if i < len(r["accuracy"]) else None
-            cells.append(f"{acc:>10.4f}" if acc is not None else f"{'-':>10}")
+            acc = r.accuracy[i] if i < len(r.accuracy) else None
+            cells.append(_cell(acc))
         print(f"{i + 1:>5} " + " ".join(cells))
-    print("final " + " ".join(f"{r['accuracy'][-1]:>10.4f}" for r in results))
+    print("final " + " ".join(_cell(r.accuracy[-1] if r.accuracy else None) for r in results))
 
 
 def run_demo(agents: int, rounds: int, jobs: int, state_dir: Path | None, as_json: bool) -> int:
@@ -154,8 +177,9 @@ def run_demo(agents: int, rounds: int, jobs: int, state_dir: Path | None, as_jso
         print(f"state in {state_dir}")
         results = asyncio.run(_federate(state_dir, agents, rounds, jobs, quiet=as_json))
     if as_json:
-        print(json.dumps({"jobs": results, "seconds": time.monotonic() - started}))
+        jobs_json = [dataclasses.asdict(r) for r in results]
+        print(json.dumps({"jobs": jobs_json, "seconds": time.monotonic() - started}))
     else:
         print_table(results)
         print(f"done in {time.monotonic() - started:.1f}s")
-    return 0 if all(r["state"] == "completed" for r in results) else 1
+    return 0 if all(r.state == "completed" for r in results) else 1

@@ -1,6 +1,13 @@
 """``flotilla <command>``: server, client, job, devices, demo, simulate, volunteer.
 
-Errors map to exit codes, not tracebacks.
+Errors map to exit codes, not tracebacks. Each command imports what it needs when it
+runs, so ``flotilla --help`` loads neither grpc nor the database stack.
+
+- ``volunteer``: the ``flotilla volunteer`` commands (hivemind is imported only there).
+- ``demo``: ``flotilla demo``, a real local federation.
+- ``operator``: the ``job`` and ``devices`` commands.
+- ``remote``: :class:`RemoteServer`, the operator's gRPC client the ``job`` and
+  ``devices`` commands use, and the JSON shapes they print.
 """
 
 from __future__ import annotations
@@ -15,7 +22,14 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from flotilla.cli.operator import add_devices_parser, add_job_parser
 from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError
+
+#: What ``flotilla --help`` says first.
+DESCRIPTION = """``flotilla <command>``: server, client, job, devices, demo, simulate, volunteer.
+
+Errors map to exit codes, not tracebacks.
+"""
 
 EXIT_CODES: dict[type[FlotillaError], int] = {SpecError: 2, AuthError: 3, NotFoundError: 4}
 
@@ -42,13 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flotilla", description=__doc__)
+    parser = argparse.ArgumentParser(prog="flotilla", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _server_parser(commands)
     _client_parser(commands)
-    _job_parser(commands)
-    _devices_parser(commands)
+    add_job_parser(commands)
+    add_devices_parser(commands)
     demo = commands.add_parser("demo", help="a real local federation: server, 8 agents, 2 jobs")
     demo.add_argument("--agents", type=int, default=8)
     demo.add_argument("--rounds", type=int, default=20)
@@ -57,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the results as JSON")
     demo.set_defaults(handler=_demo)
     _simulate_parser(commands)
-    from flotilla.cli_volunteer import add_volunteer_parser
+    from flotilla.cli.volunteer import add_volunteer_parser
 
     add_volunteer_parser(commands)
     return parser
@@ -179,7 +193,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SpecError("--tls-cert and --tls-key go together")
-    from flotilla.server.volunteer_host import VolunteerRunSpec
+    from flotilla.server.hosting.volunteers import VolunteerRunSpec
 
     single_threaded_blas()
     config = ServerConfig(
@@ -200,7 +214,7 @@ def _serve(args: argparse.Namespace) -> int:
         port = await server.start()
         print(f"flotilla server listening on {args.host}:{port}", flush=True)
         for run in server.volunteers.infos():
-            print(f"volunteer run {run['run']}: {' '.join(run['maddrs'])}", flush=True)
+            print(f"volunteer run {run.run}: {' '.join(run.maddrs)}", flush=True)
         try:
             await server.wait()
         finally:
@@ -276,166 +290,8 @@ def _client(args: argparse.Namespace) -> int:
     return _run(run())
 
 
-# --- jobs ------------------------------------------------------------------------------
-
-
-def _job_parser(commands: Any) -> None:
-    job = commands.add_parser("job", help="submit and inspect jobs on a server")
-    sub = job.add_subparsers(title="job commands", metavar="ACTION")
-
-    def add(name: str, help_text: str, handler: Callable[[argparse.Namespace], int]) -> Any:
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("--server", default="127.0.0.1:7070", help="HOST:PORT")
-        p.add_argument("--state-dir", type=Path, default=None, help="reads operator.token here")
-        p.add_argument("--token", default=None, help="operator token")
-        p.add_argument("--tls-ca", type=Path, default=None)
-        p.set_defaults(handler=handler)
-        return p
-
-    submit = add("submit", "submit a job spec (prints the job id last)", _job_submit)
-    submit.add_argument("spec", type=Path, help="a job spec, or an experiment file (its jobs)")
-    submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    submit.add_argument("--job", default=None, help="of an experiment's jobs, only this one")
-    listing = add("list", "list jobs", _job_list)
-    listing.add_argument("--json", action="store_true")
-    status = add("status", "one job's state and metrics", _job_status)
-    status.add_argument("job_id")
-    status.add_argument("--json", action="store_true")
-    status.add_argument("--rounds", action="store_true", help="include every round")
-    cancel = add("cancel", "cancel a job", _job_cancel)
-    cancel.add_argument("job_id")
-    export = add("export", "download a job's latest model as safetensors", _job_export)
-    export.add_argument("job_id")
-    export.add_argument("--out", type=Path, required=True)
-
-
-def _devices_parser(commands: Any) -> None:
-    devices = commands.add_parser("devices", help="inspect the devices enrolled on a server")
-    sub = devices.add_subparsers(title="device commands", metavar="ACTION")
-    listing = sub.add_parser("list", help="every device: offline, idle, busy or ineligible")
-    listing.add_argument("--server", default="127.0.0.1:7070", help="HOST:PORT")
-    listing.add_argument("--state-dir", type=Path, default=None, help="reads operator.token here")
-    listing.add_argument("--token", default=None, help="operator token")
-    listing.add_argument("--tls-ca", type=Path, default=None)
-    listing.add_argument("--task", default="", help="mark devices without this task ineligible")
-    listing.add_argument("--json", action="store_true")
-    listing.set_defaults(handler=_devices_list)
-
-
-def _devices_list(args: argparse.Namespace) -> int:
-    from flotilla.server.remote import device_json
-
-    async def go() -> int:
-        async with _remote(args) as remote:
-            devices = [device_json(d) for d in await remote.devices(args.task)]
-        if args.json:
-            print(json.dumps(devices, indent=2))
-            return 0
-        print(f"{'ID':20} {'STATE':10} {'JOB / REASON':28} {'GFLOPS':>8} {'UP MB/s':>8} SELECTED")
-        for d in devices:
-            note = d["job_id"] or d["reason"] or ""
-            picks = sum(d["selected"].values())
-            print(
-                f"{d['id']:20} {d['state']:10} {note[:28]:28} {d['gflops']:8.1f} "
-                f"{d['upload_bytes_per_s'] / 1e6:8.1f} {picks}"
-            )
-        return 0
-
-    return asyncio.run(go())
-
-
-def _remote(args: argparse.Namespace) -> Any:
-    from flotilla.server.remote import RemoteServer, operator_token
-
-    return RemoteServer(args.server, operator_token(args.state_dir, args.token), args.tls_ca)
-
-
-def _job_submit(args: argparse.Namespace) -> int:
-    from flotilla.core.jobfile import load_job_specs
-
-    specs = load_job_specs(args.spec, args.set)
-    if args.job is not None:
-        specs = tuple(s for s in specs if s.job.name == args.job)
-        if not specs:
-            raise SpecError(f"{args.spec}: no job named {args.job!r}")
-
-    async def go() -> int:
-        ids = []
-        async with _remote(args) as remote:
-            for spec in specs:
-                info = await remote.submit(spec)
-                print(f"submitted {info.name}")
-                ids.append(info.id)
-        print("\n".join(ids))
-        return 0
-
-    return asyncio.run(go())
-
-
-def _job_list(args: argparse.Namespace) -> int:
-    from flotilla.server.remote import job_json
-
-    async def go() -> int:
-        async with _remote(args) as remote:
-            jobs = [job_json(j) for j in await remote.jobs()]
-        if args.json:
-            print(json.dumps(jobs, indent=2))
-            return 0
-        print(f"{'ID':16} {'NAME':16} {'STATE':10} {'ROUNDS':>9} {'ACCURACY':>9}")
-        for j in jobs:
-            acc = j["metrics"].get("accuracy")
-            rounds = f"{j['rounds_committed']}/{j['rounds_total']}"
-            acc_text = f"{acc:.4f}" if acc is not None else "-"
-            print(f"{j['id']:16} {j['name'][:16]:16} {j['state']:10} {rounds:>9} {acc_text:>9}")
-        return 0
-
-    return asyncio.run(go())
-
-
-def _job_status(args: argparse.Namespace) -> int:
-    from flotilla.server.remote import job_json
-
-    async def go() -> int:
-        async with _remote(args) as remote:
-            info = job_json(await remote.job(args.job_id, args.rounds), args.rounds)
-        if args.json:
-            print(json.dumps(info, indent=2))
-            return 0
-        print(f"{info['id']}  {info['name']}  {info['state']}")
-        print(f"rounds {info['rounds_committed']}/{info['rounds_total']}  task {info['task']}")
-        for key, value in sorted(info["metrics"].items()):
-            print(f"  {key:12} {value:.4f}")
-        for r in info.get("rounds", []):
-            metrics = " ".join(f"{k}={v:.4f}" for k, v in sorted(r["metrics"].items()))
-            print(f"  round {r['round']:>4}  {len(r['participants'])} devices  {metrics}")
-        return 0
-
-    return asyncio.run(go())
-
-
-def _job_cancel(args: argparse.Namespace) -> int:
-    async def go() -> int:
-        async with _remote(args) as remote:
-            info = await remote.cancel(args.job_id)
-        print(f"{info.id} {info.state}")
-        return 0
-
-    return asyncio.run(go())
-
-
-def _job_export(args: argparse.Namespace) -> int:
-    async def go() -> int:
-        async with _remote(args) as remote:
-            data = await remote.export(args.job_id)
-        args.out.write_bytes(data)
-        print(f"wrote {len(data)} bytes to {args.out}")
-        return 0
-
-    return asyncio.run(go())
-
-
 def _demo(args: argparse.Namespace) -> int:
-    from flotilla.demo import run_demo
+    from flotilla.cli.demo import run_demo
 
     return run_demo(args.agents, args.rounds, args.jobs, args.state_dir, args.json)
 

@@ -95,7 +95,8 @@ class RemoteServer:
 
     async def __aenter__(self) -> RemoteServer:
         self._channel = open_channel(self.target, self.tls_ca)
-        self._stub = pb_grpc.OperatorStub(self._channel)
+        # The generated stub module is untyped; each call below states its reply type.
+        self._stub = pb_grpc.OperatorStub(self._channel)  # type: ignore[no-untyped-call]
         return self
 
     async def __aexit__(self, *exc: object) -> None:

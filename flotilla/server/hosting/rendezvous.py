@@ -3,30 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from flotilla.core.errors import FlotillaError, SpecError, WireError
-from flotilla.server.children import spawn_ready, stop_child
+from flotilla.core.errors import FlotillaError, WireError
+from flotilla.server.hosting.children import spawn_ready, stop_child
 
 #: A libp2p peer id as base58 text (RSA ids are 46 characters, Ed25519 ones 52).
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
 
 
-def require_p2p() -> None:
-    """Refuse a ``transport = "p2p"`` job on a server without hivemind, at submission."""
-    if importlib.util.find_spec("hivemind") is None:
-        raise SpecError(
-            'aggregation.transport = "p2p" needs the p2p extra on the server '
-            "(pip install 'flotilla[p2p]')"
-        )
-
-
 class Rendezvous:
     """A hivemind DHT node in a child process (flotilla.p2p.rendezvous), shared by every
-    server-less job; started when the first of them needs it."""
+    server-less job; started when the first of them needs it. The core reaches it through
+    ``flotilla.server.federation.ports.Rendezvous``."""
 
     def __init__(
         self,

@@ -1,0 +1,108 @@
+"""Enrolled devices: enrolment, credentials, what each says it can do, and the pool's view.
+
+The store keeps a device's measured numbers as a flat mapping; :func:`stored_profile` is
+the one place that reads them back into a typed :class:`DeviceProfile`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+from flotilla.core.device import DeviceProfile
+from flotilla.core.errors import AuthError
+from flotilla.core.records import DeviceRecord
+from flotilla.scheduling import DevicePool
+from flotilla.server.federation import auth
+from flotilla.server.federation.store import Store
+from flotilla.server.federation.views import DeviceInfo, Enrolment
+
+
+def stored_profile(record: DeviceRecord) -> DeviceProfile:
+    """The typed profile of a stored device (numbers it never sent read as zero)."""
+    numbers = record.profile
+    return DeviceProfile(
+        device_id=record.id,
+        tasks=record.tasks,
+        gflops=float(numbers.get("gflops", 0.0)),
+        memory_bytes=int(numbers.get("memory_bytes", 0)),
+        upload_bytes_per_s=float(numbers.get("upload_bytes_per_s", 0.0)),
+    )
+
+
+class Devices:
+    """Enrolment and authentication against the store; sightings into the pool."""
+
+    def __init__(self, store: Store, pool: DevicePool, clock: Callable[[], float]) -> None:
+        self._store = store
+        self._pool = pool
+        self._clock = clock
+        #: Records of devices that authenticated since start, so a poll costs no query.
+        self._known: dict[str, DeviceRecord] = {}
+
+    async def enrol(self, token: str, profile: DeviceProfile) -> Enrolment:
+        if not token or not await self._store.has_enrol_token(auth.hash_secret(token)):
+            raise AuthError("enrolment token refused")
+        device_id = "dev-" + uuid.uuid4().hex[:12]
+        credential = auth.new_secret()
+        now = self._clock()
+        record = DeviceRecord(
+            id=device_id,
+            credential_hash=auth.hash_secret(credential),
+            tasks=tuple(profile.tasks),
+            profile=profile.numbers(),
+            enrolled_at=now,
+            last_seen_at=now,
+        )
+        await self._store.add_device(record)
+        self._known[device_id] = record
+        return Enrolment(device_id, credential)
+
+    async def authenticate(self, device_id: str | None, secret: str | None) -> DeviceRecord:
+        if not device_id or not secret:
+            raise AuthError("missing device credentials")
+        record = self._known.get(device_id)
+        if record is None:
+            record = await self._store.get_device(device_id)
+            if record is not None:
+                self._known[device_id] = record
+        if record is None or not auth.matches(secret, record.credential_hash):
+            raise AuthError("device credentials refused")
+        return record
+
+    async def seen(self, device: DeviceRecord, profile: DeviceProfile | None) -> None:
+        """A device is alive (and idle by its own account); a new profile replaces the old."""
+        if profile is not None:
+            await self._store.update_device(
+                device.id, profile=profile.numbers(), tasks=tuple(profile.tasks)
+            )
+            device = self._known[device.id] = await self._store.get_device(device.id) or device
+        self._pool.seen(stored_profile(device))
+
+    async def infos(self, task: str = "") -> list[DeviceInfo]:
+        """Every enrolled device: the pool's view of those seen since start, the rest offline."""
+        views = {v.device_id: v for v in self._pool.describe(task)}
+        history = self._pool.history
+        out = []
+        for record in await self._store.list_devices():
+            view = views.get(record.id)
+            selected = {
+                job: rec.selected
+                for job, devices in history.records.items()
+                if (rec := devices.get(record.id)) is not None
+            }
+            profile = stored_profile(record)
+            out.append(
+                DeviceInfo(
+                    id=record.id,
+                    state=view.state if view else "offline",
+                    job_id=view.job_id if view else "",
+                    reason=view.reason if view else "",
+                    tasks=record.tasks,
+                    gflops=profile.gflops,
+                    upload_bytes_per_s=profile.upload_bytes_per_s,
+                    last_seen=view.last_seen if view else 0.0,
+                    selected=selected,
+                )
+            )
+        return out

@@ -1,0 +1,210 @@
+"""The federation, whichever edge reaches it: one method per thing a device or operator does.
+
+Edges (gRPC in ``flotilla.server.grpc``, HTTP later) authenticate callers through this
+facade, convert their messages to the values in :mod:`.views` and back, and map the
+:mod:`flotilla.core.errors` it raises to their own status codes. Nothing here knows a
+transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from flotilla.core.blobs import CHUNK_BYTES
+from flotilla.core.blobstore import BlobStore
+from flotilla.core.device import DeviceProfile
+from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError
+from flotilla.core.records import DeviceRecord, JobRecord
+from flotilla.core.timeouts import Timeouts
+from flotilla.engine import EngineConfig
+from flotilla.engine.backend import Reported, TrainTask
+from flotilla.scheduling import Arbiter, DevicePool
+from flotilla.server.federation import auth
+from flotilla.server.federation.budget import ByteBudget
+from flotilla.server.federation.devices import Devices
+from flotilla.server.federation.gateway import Gateway
+from flotilla.server.federation.jobs import Jobs, JobsConfig
+from flotilla.server.federation.ports import Hosted
+from flotilla.server.federation.store import Store
+from flotilla.server.federation.uploads import Uploads
+from flotilla.server.federation.views import (
+    BlobSlice,
+    DeviceInfo,
+    Enrolment,
+    JobDetail,
+    ReportVerdict,
+    Reservation,
+    RoundRef,
+    UploadHeader,
+    VolunteerRunInfo,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FederationConfig:
+    state_dir: Path
+    timeouts: Timeouts
+    engine: EngineConfig
+    #: Model downloads streamed at once; the rest wait (each holds transport buffers).
+    download_slots: int = 2
+    download_chunk_bytes: int = CHUNK_BYTES
+
+
+class Federation:
+    """Devices, jobs, uploads and blobs over one store, pool and gateway."""
+
+    def __init__(
+        self,
+        config: FederationConfig,
+        store: Store,
+        upload_budget: ByteBudget,
+        hosted: Hosted,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._blobs = BlobStore(config.state_dir / "blobs")
+        self._pool = DevicePool(clock=clock)
+        self._gateway = Gateway(self._pool, clock)
+        engine = config.engine
+        self._arbiter = Arbiter(self._pool, clock, engine.selection_grace_s, engine.idle_poll_s)
+        self._hosted = hosted
+        self._devices = Devices(store, self._pool, clock)
+        self._uploads = Uploads(
+            self._gateway, self._pool, upload_budget, config.timeouts.upload_idle, clock
+        )
+        self._jobs = Jobs(
+            JobsConfig(engine, config.state_dir),
+            store,
+            self._blobs,
+            self._pool,
+            self._gateway,
+            self._arbiter,
+            hosted.rendezvous,
+        )
+        self._download_slots = asyncio.Semaphore(config.download_slots)
+
+    async def start(self) -> None:
+        """Resume the jobs a previous run left unfinished."""
+        await self._jobs.resume()
+
+    async def close(self) -> None:
+        await self._jobs.stop()
+        await self._arbiter.close()
+
+    def reap(self) -> list[str]:
+        """Drop devices silent for longer than the liveness window; their ids."""
+        return self._gateway.reap(self._config.timeouts.liveness)
+
+    # --- callers -------------------------------------------------------------------------
+
+    async def enrol(self, token: str, profile: DeviceProfile) -> Enrolment:
+        return await self._devices.enrol(token, profile)
+
+    async def authenticate_device(self, device_id: str | None, secret: str | None) -> DeviceRecord:
+        return await self._devices.authenticate(device_id, secret)
+
+    async def authenticate_operator(self, token: str | None) -> None:
+        if not token or not await self._store.has_operator_token(auth.hash_secret(token)):
+            raise AuthError("operator token refused")
+
+    # --- a device's side -----------------------------------------------------------------
+
+    async def poll(
+        self, device: DeviceRecord, profile: DeviceProfile | None, p2p_peer_id: str = ""
+    ) -> TrainTask | None:
+        """The device's next task, waited for a while; None when there is none yet."""
+        if p2p_peer_id:
+            self._hosted.rendezvous.peer_seen(device.id, p2p_peer_id)
+        await self._devices.seen(device, profile)
+        timeouts = self._config.timeouts
+        # A held poll is a live device: hold it for less than the liveness window, so the
+        # reaper never drops an agent that is simply waiting for work.
+        hold = min(timeouts.poll_hold, timeouts.liveness / 2)
+        return await self._gateway.poll(device.id, hold)
+
+    def heartbeat(self, device: DeviceRecord, round_token: str) -> bool:
+        """A training device is alive; whether its round is still open."""
+        self._pool.touch(device.id)
+        return self._gateway.round_open(round_token)
+
+    async def fetch_model(
+        self, device: DeviceRecord, sha256: str
+    ) -> AsyncGenerator[BlobSlice, None]:
+        """The model (or delta) a device's open round assigned it, chunk by chunk."""
+        if not self._gateway.assigned_model(device.id, sha256):
+            raise StaleRoundError("stale round: that model is not assigned to this device")
+        async for piece in self._stream_blob(sha256):
+            self._gateway.count_download(device.id, sha256, len(piece.data))
+            yield piece
+            self._pool.touch(device.id)  # a long download is a sign of life
+
+    async def reserve_upload(self, device: DeviceRecord, ref: RoundRef, size: int) -> Reservation:
+        return await self._uploads.reserve(device.id, ref, size)
+
+    async def submit_update(
+        self, device: DeviceRecord, header: UploadHeader, chunks: AsyncIterator[memoryview | bytes]
+    ) -> None:
+        """Returns once the round took the update; raises why it did not."""
+        await self._uploads.receive(device.id, header, chunks)
+
+    async def report_average(
+        self, device: DeviceRecord, ref: RoundRef, report: Reported
+    ) -> ReportVerdict:
+        hold = self._config.timeouts.report_hold
+        return await self._uploads.report(device.id, ref, report, hold)
+
+    def leave(self, device: DeviceRecord, reason: str) -> None:
+        self._gateway.fail(device.id, f"left: {reason or 'no reason given'}")
+        self._pool.leave(device.id)
+        log.info("device %s left (%s)", device.id, reason)
+
+    # --- an operator's side --------------------------------------------------------------
+
+    async def submit_job(self, spec_json: str) -> JobRecord:
+        return await self._jobs.submit_job(spec_json)
+
+    async def list_jobs(self) -> list[JobRecord]:
+        return await self._store.list_jobs()
+
+    async def get_job(self, job_id: str, with_rounds: bool = False) -> JobDetail:
+        job = await self._jobs.get(job_id)
+        rounds = tuple(await self._store.list_rounds(job.id)) if with_rounds else None
+        return JobDetail(job, rounds)
+
+    async def cancel_job(self, job_id: str) -> JobRecord:
+        return await self._jobs.cancel_job(job_id)
+
+    async def export_model(self, job_id: str) -> AsyncGenerator[BlobSlice, None]:
+        """The job's latest model, chunk by chunk."""
+        job = await self._jobs.get(job_id)
+        async for piece in self._stream_blob(job.checkpoint_sha256):
+            yield piece
+
+    async def list_devices(self, task: str = "") -> list[DeviceInfo]:
+        return await self._devices.infos(task)
+
+    def volunteer_runs(self) -> Sequence[VolunteerRunInfo]:
+        return self._hosted.volunteers.infos()
+
+    # --- blobs ---------------------------------------------------------------------------
+
+    async def _stream_blob(self, sha256: str) -> AsyncGenerator[BlobSlice, None]:
+        size = self._blobs.size(sha256)
+        offset = 0
+        async with self._download_slots:
+            for data in self._blobs.iter_chunks(sha256, self._config.download_chunk_bytes):
+                first = offset == 0
+                yield BlobSlice(
+                    data, offset, total_size=size if first else 0, sha256=sha256 if first else ""
+                )
+                offset += len(data)
+        if size == 0:
+            raise NotFoundError(f"blob {sha256} is empty")

@@ -1,0 +1,290 @@
+"""Device uploads: admitted by reservation or budget, one per device, checked before delivery.
+
+An update reaches the core as an :class:`UploadHeader` plus an async iterator of byte
+chunks, whatever edge carried it. Here it is bounded by size before any buffer exists,
+checked against its SHA-256, decoded zero-copy against the model's layout, refused if
+not finite, and only then handed to the round engine (``Gateway.deliver``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from flotilla.compression import Codec, NoneCodec, decode_state_with, max_payload_bytes
+from flotilla.core.blobs import BlobAssembler
+from flotilla.core.errors import StaleRoundError, UpdateRejected, WireError
+from flotilla.core.tensors import ModelState, TensorSpec, check_finite, decode_state, read_metadata
+from flotilla.core.update import Update
+from flotilla.engine.backend import Reported, TrainTask
+from flotilla.scheduling import DevicePool
+from flotilla.server.federation.budget import ByteBudget
+from flotilla.server.federation.gateway import Gateway, OpenRound
+from flotilla.server.federation.views import ReportVerdict, Reservation, RoundRef, UploadHeader
+
+#: Room for a safetensors header beyond the raw tensor bytes of an update.
+HEADER_SLACK = 1024 * 1024
+#: Seconds past a round's deadline that an upload already under way may still finish in.
+UPLOAD_GRACE_S = 5.0
+#: Most members a server-less round's report may name.
+MAX_GROUP = 4096
+#: Header codec names that mean plain safetensors of the delta.
+PLAIN_CODECS = {"": "none", "safetensors": "none"}
+
+
+def decode_update(
+    payload: memoryview, layout: tuple[TensorSpec, ...], codec: Codec, limit: int
+) -> ModelState:
+    """The delta in ``layout``, from plain safetensors or the job's codec payload.
+
+    Plain safetensors (no codec metadata) is always accepted for ``none``: it is what any
+    client in any language can write, and it decodes without a copy.
+    """
+    if codec.name == "none" and "codec" not in read_metadata(payload, limit):
+        return decode_state(payload, expected=layout, max_bytes=limit)
+    return decode_state_with(payload, layout, limit, codec=codec)
+
+
+def update_limit(task: TrainTask) -> int:
+    """Largest payload a device may send for ``task``: checked before any buffer exists."""
+    return max(
+        sum(s.nbytes for s in task.layout) + HEADER_SLACK,
+        max_payload_bytes(task.codec, task.layout),
+    )
+
+
+def checked_report(report: Reported) -> Reported:
+    """A device's report, checked for shape (the engine checks whom it names)."""
+    sha = report.model_sha256
+    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        raise WireError("model_sha256 must be 64 lowercase hex digits")
+    if not 0 < len(report.contributors) <= MAX_GROUP:
+        raise WireError(f"a report names 1 to {MAX_GROUP} contributors")
+    seconds = report.allreduce_s
+    return dataclasses.replace(
+        report,
+        group_id=report.group_id[:128],
+        allreduce_s=seconds if math.isfinite(seconds) and seconds >= 0 else 0.0,
+    )
+
+
+class KeyedLock:
+    """One asyncio lock per key, dropped when nobody holds or awaits it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
+@dataclass(slots=True)
+class _Held:
+    device_id: str
+    round_token: str
+    size: int
+    taken: int
+    expiry: asyncio.TimerHandle
+
+
+class Reservations:
+    """Room in the upload budget, granted before an upload starts and held briefly.
+
+    A device waits for room in a cheap call instead of with an upload stream open, where
+    a transport would keep reading its data ahead into buffers. Room not used within
+    ``ttl_s`` goes back to the budget; a device holds at most one reservation.
+    """
+
+    def __init__(self, budget: ByteBudget, ttl_s: float) -> None:
+        self._budget = budget
+        self.ttl_s = ttl_s
+        self._held: dict[str, _Held] = {}
+        self._returns: set[asyncio.Task[None]] = set()
+
+    async def make(self, device_id: str, round_token: str, size: int) -> str:
+        for key in [k for k, h in self._held.items() if h.device_id == device_id]:
+            self._give_back(key)
+        taken = await self._budget.acquire(size)
+        key = secrets.token_hex(16)
+        expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._give_back, key)
+        self._held[key] = _Held(device_id, round_token, size, taken, expiry)
+        return key
+
+    @contextlib.asynccontextmanager
+    async def claim(self, key: str, device_id: str, head: UploadHeader) -> AsyncIterator[None]:
+        held = self._held.pop(key, None)
+        if held is None or held.device_id != device_id:
+            raise WireError("unknown or expired upload reservation; reserve again")
+        held.expiry.cancel()
+        try:
+            if held.round_token != head.ref.round_token or head.payload_size > held.size:
+                raise WireError("the upload does not match its reservation")
+            yield
+        finally:
+            await self._budget.release(held.taken)
+
+    def _give_back(self, key: str) -> None:
+        held = self._held.pop(key, None)
+        if held is None:
+            return
+        held.expiry.cancel()
+        task = asyncio.ensure_future(self._budget.release(held.taken))
+        self._returns.add(task)
+        task.add_done_callback(self._returns.discard)
+
+
+class Uploads:
+    """Takes devices' updates and server-less reports for the rounds the gateway holds open."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        pool: DevicePool,
+        budget: ByteBudget,
+        idle_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self._gateway = gateway
+        self._pool = pool
+        self._budget = budget
+        self._idle_s = idle_s
+        self._clock = clock
+        self._locks = KeyedLock()
+        self._reservations = Reservations(budget, idle_s)
+
+    async def reserve(self, device_id: str, ref: RoundRef, size: int) -> Reservation:
+        """Room for an upload of ``size`` bytes, waited for until the round's deadline."""
+        rnd = self._gateway.expect(device_id, ref.job_id, ref.round, ref.round_token)
+        limit = update_limit(rnd.task)
+        if not 0 <= size <= limit:
+            raise WireError(f"update of {size} bytes exceeds the limit of {limit}")
+        try:
+            key = await asyncio.wait_for(
+                self._reservations.make(device_id, ref.round_token, size),
+                self._time_left(rnd.task.deadline),
+            )
+        except asyncio.TimeoutError:
+            raise StaleRoundError(
+                "stale round: the round closes before there is room for this update"
+            ) from None
+        return Reservation(key, self._reservations.ttl_s)
+
+    async def receive(
+        self, device_id: str, head: UploadHeader, chunks: AsyncIterator[memoryview | bytes]
+    ) -> None:
+        """Take one update; returns once the engine accepted it, raises if it refused."""
+        # One upload per device at a time: a device opening many streams at once would
+        # otherwise get a model-sized buffer for each.
+        async with self._locks.hold(device_id):
+            await self._receive(device_id, head, chunks)
+
+    async def _receive(
+        self, device_id: str, head: UploadHeader, chunks: AsyncIterator[memoryview | bytes]
+    ) -> None:
+        rnd = self._gateway.expect(device_id, head.ref.job_id, head.ref.round, head.ref.round_token)
+        codec = self._codec(rnd, device_id, head)
+        if head.num_samples <= 0:
+            raise UpdateRejected("num_samples must be positive")
+        limit = update_limit(rnd.task)
+        if not 0 <= head.payload_size <= limit:
+            raise WireError(f"update of {head.payload_size} bytes exceeds the limit of {limit}")
+        # The buffer is allocated only once the byte budget admits it (ahead of the stream,
+        # with a reservation, or here), so memory is bounded however many devices upload
+        # at once; a sender that stalls is dropped.
+        room: contextlib.AbstractAsyncContextManager[object]
+        if head.reservation:
+            room = self._reservations.claim(head.reservation, device_id, head)
+        else:
+            room = self._budget.hold(head.payload_size)
+        async with room:
+            assembler = BlobAssembler(head.payload_size, head.payload_sha256, limit)
+            try:
+                payload = await asyncio.wait_for(
+                    self._read(chunks, assembler, device_id), self._time_left(rnd.task.deadline)
+                )
+            except asyncio.TimeoutError:
+                raise StaleRoundError(
+                    "stale round: the round closed before this update finished uploading"
+                ) from None
+            delta = decode_update(payload, rnd.task.layout, codec, limit)
+            # Refuse here, before delivery: a refusal from the engine would cost the device
+            # its place in the round, so it could not send a corrected update.
+            check_finite(delta)
+            update = Update(
+                job_id=head.ref.job_id,
+                round=head.ref.round,
+                device_id=device_id,
+                num_samples=int(head.num_samples),
+                delta=delta,
+                metrics={
+                    **head.metrics,
+                    # Measured here, not reported: what this device cost the network.
+                    "bytes_up": float(head.payload_size),
+                    "bytes_down": float(rnd.bytes_down.get(device_id, 0)),
+                },
+            )
+            await self._gateway.deliver(rnd, update, self._time_left(rnd.task.deadline))
+
+    def _codec(self, rnd: OpenRound, device_id: str, head: UploadHeader) -> Codec:
+        codec = rnd.task.codec
+        if rnd.task.transport == "p2p":
+            self._gateway.expect_upload(rnd, device_id)
+            codec = NoneCodec()  # the group's exact average, as the devices applied it
+        sent = PLAIN_CODECS.get(head.codec, head.codec)
+        if sent != codec.name:
+            raise WireError(
+                f"update codec {head.codec!r}; this job's uplink codec is {codec.name!r}"
+            )
+        return codec
+
+    async def _read(
+        self, chunks: AsyncIterator[memoryview | bytes], assembler: BlobAssembler, device_id: str
+    ) -> memoryview:
+        idle = self._idle_s
+        stream = aiter(chunks)
+        while True:
+            try:
+                data = await asyncio.wait_for(anext(stream, None), idle)
+            except asyncio.TimeoutError:
+                raise WireError(f"upload stalled: no data for {idle:.0f}s") from None
+            if data is None:
+                return assembler.finish()
+            assembler.add(data)
+            self._pool.touch(device_id)
+
+    async def report(
+        self, device_id: str, ref: RoundRef, report: Reported, hold_s: float
+    ) -> ReportVerdict:
+        """A server-less round's report; the device is told whether to upload the average."""
+        gateway = self._gateway
+        try:
+            rnd = gateway.expect(device_id, ref.job_id, ref.round, ref.round_token)
+            if rnd.task.transport != "p2p":
+                raise WireError("only server-less (p2p) rounds report; this one takes uploads")
+            upload = gateway.report(rnd, checked_report(report))
+            if not upload:
+                upload = await gateway.hold_reporter(rnd, device_id, hold_s)
+        except StaleRoundError:
+            return ReportVerdict(upload=False, round_open=False)
+        self._pool.touch(device_id)
+        return ReportVerdict(upload=upload, round_open=gateway.round_open(ref.round_token))
+
+    def _time_left(self, deadline: float) -> float:
+        """Seconds an upload may still take: to the round's deadline, plus a little grace."""
+        return max(1.0, deadline - self._clock() + UPLOAD_GRACE_S)

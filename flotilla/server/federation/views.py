@@ -1,0 +1,109 @@
+"""The values the federation core takes from and hands to its edges (gRPC today, HTTP next).
+
+Frozen and transport-free: an edge converts its own messages to and from these in one
+module (``flotilla.server.grpc.wire`` for gRPC), and the core never sees a wire type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from flotilla.core.records import JobRecord, RoundRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Enrolment:
+    """A newly enrolled device: its id and the credential only it holds (never stored)."""
+
+    device_id: str
+    credential: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    """One enrolled device as an operator sees it: the pool's view, or offline."""
+
+    id: str
+    #: ``offline``, ``idle``, ``busy`` or ``ineligible``.
+    state: str
+    job_id: str
+    reason: str
+    tasks: tuple[str, ...]
+    gflops: float
+    upload_bytes_per_s: float
+    #: Unix seconds; 0.0 for a device not seen since the server started.
+    last_seen: float
+    #: Job id -> rounds this device was selected for.
+    selected: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class VolunteerRunInfo:
+    """A volunteer run this server coordinates, and where its peers join it."""
+
+    run: str
+    task: str
+    maddrs: tuple[str, ...]
+    coordinator_key: str
+    #: The coordinator's latest ``status.json``; empty before it wrote one.
+    status_json: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRef:
+    """The round a device's upload or report claims to belong to."""
+
+    job_id: str
+    round: int
+    round_token: str
+
+
+@dataclass(frozen=True, slots=True)
+class UploadHeader:
+    """What precedes an update's bytes: its round, size, checksum and codec."""
+
+    ref: RoundRef
+    num_samples: int
+    payload_size: int
+    payload_sha256: str
+    #: The uplink codec's name; ``""`` or ``"safetensors"`` mean plain safetensors.
+    codec: str
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    #: A key from :meth:`Federation.reserve_upload`, or ``""`` to wait for room now.
+    reservation: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Room in the upload budget held for one device's next upload, for ``ttl_s``."""
+
+    key: str
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReportVerdict:
+    """The answer to a server-less round's report: upload the average now? still open?"""
+
+    upload: bool
+    round_open: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BlobSlice:
+    """One chunk of a blob on its way to a device or operator; the first names the whole."""
+
+    data: bytes
+    offset: int
+    #: Set on the first chunk only (0 on the rest), as the wire format has it.
+    total_size: int = 0
+    sha256: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class JobDetail:
+    """A job and, when asked for, its committed rounds."""
+
+    job: JobRecord
+    rounds: tuple[RoundRecord, ...] | None = None

@@ -1,0 +1,7 @@
+"""The gRPC edge of the federation server: it imports the core, the core never imports it.
+
+- ``edge``: :class:`GrpcEdge`, the grpc.aio server both services run on.
+- ``agent`` / ``operator``: the servicers, thin: protobuf in, one facade call, protobuf out.
+- ``wire``: every protobuf <-> core conversion.
+- ``status``: the one table from Flotilla's errors to status codes, applied around handlers.
+"""

@@ -1,0 +1,66 @@
+"""The Operator service: submit, list, inspect, cancel and export jobs; list devices and runs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from flotilla.proto import flotilla_pb2 as pb
+from flotilla.server.federation.facade import Federation
+from flotilla.server.grpc import wire
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class OperatorServicer:
+    def __init__(self, federation: Federation) -> None:
+        self._federation = federation
+
+    async def _operator(self, context: Context) -> None:
+        await self._federation.authenticate_operator(
+            wire.operator_token(context.invocation_metadata())
+        )
+
+    async def SubmitJob(self, request: pb.SubmitJobRequest, context: Context) -> pb.JobInfo:
+        await self._operator(context)
+        return wire.job_info(await self._federation.submit_job(request.spec_json))
+
+    async def ListJobs(self, request: pb.ListJobsRequest, context: Context) -> pb.ListJobsReply:
+        await self._operator(context)
+        jobs = await self._federation.list_jobs()
+        return pb.ListJobsReply(jobs=[wire.job_info(j) for j in jobs])
+
+    async def GetJob(self, request: pb.GetJobRequest, context: Context) -> pb.JobInfo:
+        await self._operator(context)
+        detail = await self._federation.get_job(request.job_id, request.with_rounds)
+        return wire.job_info(detail.job, detail.rounds)
+
+    async def CancelJob(self, request: pb.GetJobRequest, context: Context) -> pb.JobInfo:
+        await self._operator(context)
+        return wire.job_info(await self._federation.cancel_job(request.job_id))
+
+    async def ListDevices(
+        self, request: pb.ListDevicesRequest, context: Context
+    ) -> pb.ListDevicesReply:
+        await self._operator(context)
+        devices = await self._federation.list_devices(request.task)
+        return pb.ListDevicesReply(devices=[wire.device_info_to_pb(d) for d in devices])
+
+    async def ListVolunteerRuns(
+        self, request: pb.ListVolunteerRunsRequest, context: Context
+    ) -> pb.ListVolunteerRunsReply:
+        await self._operator(context)
+        runs = self._federation.volunteer_runs()
+        return pb.ListVolunteerRunsReply(runs=[wire.volunteer_run_to_pb(r) for r in runs])
+
+    async def ExportModel(
+        self, request: pb.GetJobRequest, context: Context
+    ) -> AsyncIterator[bytes]:
+        await self._operator(context)
+        # Closed even when the caller hangs up mid-stream, so its download slot is freed.
+        async with contextlib.aclosing(self._federation.export_model(request.job_id)) as pieces:
+            async for piece in pieces:
+                yield wire.blob_to_wire(piece)

@@ -1,0 +1,197 @@
+"""Every conversion between the protobuf messages and the core's values, in one place."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import cast
+
+from flotilla.core.allreduce import Contribution
+from flotilla.core.device import DeviceProfile
+from flotilla.core.errors import WireError
+from flotilla.core.records import JobRecord, RoundRecord
+from flotilla.core.spec import JobSpec
+from flotilla.engine.backend import Reported, TrainTask
+from flotilla.proto import flotilla_pb2 as pb
+from flotilla.proto.bulk import UpdatePart, blob_chunk
+from flotilla.server.federation import auth
+from flotilla.server.federation.views import (
+    BlobSlice,
+    DeviceInfo,
+    RoundRef,
+    UploadHeader,
+    VolunteerRunInfo,
+)
+
+DEVICE_HEADER = "x-flotilla-device"
+
+
+# --- who is calling --------------------------------------------------------------------
+
+
+def _pairs(metadata: object) -> tuple[tuple[str, str | bytes], ...]:
+    """Call metadata as (key, value) pairs, which is how grpc.aio hands it to handlers."""
+    return tuple(cast(Iterable[tuple[str, str | bytes]], metadata or ()))
+
+
+def device_credentials(metadata: object) -> tuple[str | None, str | None]:
+    """(device id, secret) from a device's call metadata; None where missing."""
+    md = _pairs(metadata)
+    return auth.header(md, DEVICE_HEADER), auth.bearer(md)
+
+
+def operator_token(metadata: object) -> str | None:
+    return auth.bearer(_pairs(metadata))
+
+
+# --- agent messages --------------------------------------------------------------------
+
+
+def profile_from_pb(msg: pb.DeviceProfile, device_id: str = "") -> DeviceProfile:
+    return DeviceProfile(
+        device_id=device_id,
+        tasks=tuple(msg.tasks),
+        gflops=msg.gflops,
+        memory_bytes=msg.memory_bytes,
+        upload_bytes_per_s=msg.upload_bytes_per_s,
+    )
+
+
+def task_to_pb(task: TrainTask) -> pb.TrainTask:
+    return pb.TrainTask(
+        job_id=task.job_id,
+        round=task.round,
+        round_token=task.round_token,
+        task=task.task,
+        config_json=task.config_json,
+        model_sha256=task.model_sha256,
+        model_size=task.model_size,
+        deadline_unix=task.deadline,
+        seed=task.seed,
+        delta_base_sha256=task.delta_base_sha256,
+        delta_sha256=task.delta_sha256,
+        delta_size=task.delta_size,
+    )
+
+
+def blob_to_wire(piece: BlobSlice) -> bytes:
+    """A serialized ``BlobChunk`` (framed by hand: one copy of the data, see proto.bulk)."""
+    return blob_chunk(piece.data, piece.offset, piece.total_size, piece.sha256)
+
+
+def round_ref(msg: pb.ReserveUploadRequest | pb.AverageReport | pb.UpdateHeader) -> RoundRef:
+    return RoundRef(msg.job_id, msg.round, msg.round_token)
+
+
+def header_from_pb(msg: pb.UpdateHeader) -> UploadHeader:
+    return UploadHeader(
+        ref=round_ref(msg),
+        num_samples=msg.num_samples,
+        payload_size=msg.payload_size,
+        payload_sha256=msg.payload_sha256,
+        codec=msg.codec,
+        metrics=dict(msg.metrics),
+        reservation=msg.reservation,
+    )
+
+
+async def update_payload(parts: AsyncIterator[UpdatePart]) -> AsyncIterator[memoryview]:
+    """The payload chunks that follow an update's header; WireError at a second header."""
+    async for part in parts:
+        if part.data is None:
+            raise WireError("an update carries exactly one header")
+        yield part.data
+
+
+def report_from_pb(device_id: str, msg: pb.AverageReport) -> Reported:
+    """The report as sent; the core checks its shape once it knows the round is open."""
+    return Reported(
+        device_id=device_id,
+        elapsed_s=0.0,
+        model_sha256=msg.model_sha256,
+        group_id=msg.group_id,
+        contributors=tuple(
+            Contribution.from_dict(
+                {"device_id": c.device_id, "num_samples": c.num_samples, "metrics": dict(c.metrics)}
+            )
+            for c in msg.contributors
+        ),
+        allreduce_s=msg.allreduce_seconds,
+        reverted=int(msg.reverted),
+    )
+
+
+# --- operator messages -----------------------------------------------------------------
+
+
+def job_info(job: JobRecord, rounds: Sequence[RoundRecord] | None = None) -> pb.JobInfo:
+    spec = JobSpec.from_json(job.spec_json)
+    info = pb.JobInfo(
+        id=job.id,
+        name=job.name,
+        state=job.state,
+        rounds_committed=job.rounds_committed,
+        rounds_total=job.rounds_total,
+        metrics=job.metrics,
+        task=spec.job.task,
+        created_at=job.created_at,
+        spec_json=job.spec_json,
+    )
+    for r in rounds or ():
+        info.rounds.append(
+            pb.RoundInfo(
+                round=r.round,
+                metrics=r.metrics,
+                participants=[p.device_id for p in r.participants],
+                started_at=r.started_at,
+                committed_at=r.committed_at,
+                checkpoint_sha256=r.checkpoint_sha256,
+                devices=[
+                    pb.Participation(
+                        device_id=p.device_id, num_samples=p.num_samples, metrics=p.metrics
+                    )
+                    for p in r.participants
+                ],
+            )
+        )
+    return info
+
+
+def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
+    return pb.DeviceInfo(
+        id=info.id,
+        state=info.state,
+        job_id=info.job_id,
+        reason=info.reason,
+        tasks=list(info.tasks),
+        gflops=info.gflops,
+        upload_bytes_per_s=info.upload_bytes_per_s,
+        last_seen=info.last_seen,
+        selected=dict(info.selected),
+    )
+
+
+def volunteer_run_to_pb(info: VolunteerRunInfo) -> pb.VolunteerRunInfo:
+    return pb.VolunteerRunInfo(
+        run=info.run,
+        task=info.task,
+        maddrs=list(info.maddrs),
+        coordinator_key=info.coordinator_key,
+        status_json=info.status_json,
+    )
+
+
+__all__ = [
+    "DEVICE_HEADER",
+    "blob_to_wire",
+    "device_credentials",
+    "device_info_to_pb",
+    "header_from_pb",
+    "job_info",
+    "operator_token",
+    "profile_from_pb",
+    "report_from_pb",
+    "round_ref",
+    "task_to_pb",
+    "update_payload",
+    "volunteer_run_to_pb",
+]
