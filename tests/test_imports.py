@@ -78,7 +78,8 @@ _IMPORT_ALL = """
 import importlib, pkgutil
 package = importlib.import_module({name!r})
 for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-    importlib.import_module(info.name)
+    if ".migrations." not in info.name:  # Alembic scripts run only inside Alembic
+        importlib.import_module(info.name)
 """
 
 
