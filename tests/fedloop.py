@@ -20,7 +20,7 @@ from flotilla.core.tensors import decode_state, encode_state, state_spec
 from flotilla.engine import JobPlan
 from flotilla.engine.evaluation import initial_model, server_evaluator
 from flotilla.server.federation.uploads import decode_update
-from flotilla.tasks import Shard
+from flotilla.tasks import Shard, ShardTraining
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"
 
@@ -56,7 +56,7 @@ def run_federation(
     evaluate = server_evaluator(spec)
     assert evaluate is not None
     trainers = [
-        LocalTrainer(spec.job.task, Shard(i, clients), state_dir=_dir(state_dir, i))
+        LocalTrainer(ShardTraining(spec.job.task, Shard(i, clients)), state_dir=_dir(state_dir, i))
         for i in range(clients)
     ]
     rng = random.Random(seed)

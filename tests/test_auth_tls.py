@@ -33,7 +33,7 @@ from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
 from flotilla.server.federation import auth
-from flotilla.tasks import Shard
+from flotilla.tasks import Shard, ShardTraining
 from tests.live_grpc import (
     DIGITS,
     QUICK_JOB,
@@ -388,7 +388,7 @@ async def test_agent_completes_a_round_over_tls(
     config = AgentConfig(
         server=f"localhost:{live.port}",
         token=await live.enrol_token(),
-        trainer=LocalTrainer(DIGITS, Shard(0, 1)),
+        trainer=LocalTrainer(ShardTraining(DIGITS, Shard(0, 1))),
         state_dir=tmp_path / "agent",
         tls_ca=pki.ca,
         timeouts=Timeouts(heartbeat_every=1.0),

@@ -13,7 +13,7 @@ from flotilla.core.errors import TaskLoadError
 from flotilla.core.round_config import RoundConfig
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import decode_state, encode_state, state_spec
-from flotilla.tasks import DigitsTask, Shard, model_state
+from flotilla.tasks import DigitsTask, Shard, ShardTraining, model_state
 
 DIGITS = "flotilla.tasks.digits:DigitsTask"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"
@@ -27,13 +27,13 @@ def work_order(spec: JobSpec, seed: int = 1) -> TrainWork:
 def test_delta_moves_the_model_and_matches_its_layout() -> None:
     task = DigitsTask()
     global_state = model_state(task.build_model(0))
-    trainer = LocalTrainer(DIGITS, Shard(0, 5))
+    trainer = LocalTrainer(ShardTraining(DIGITS, Shard(0, 5)))
     outcome = trainer.train(encode_state(global_state), work_order(JobSpec()))
     delta = decode_state(outcome.payload, expected=state_spec(global_state))
     assert outcome.num_samples > 0
     assert {"train_loss", "accuracy", "loss"} <= set(outcome.metrics)
     assert any(np.abs(v).max() > 0 for v in delta.values())
-    again = LocalTrainer(DIGITS, Shard(0, 5)).train(
+    again = LocalTrainer(ShardTraining(DIGITS, Shard(0, 5))).train(
         encode_state(global_state), work_order(JobSpec())
     )
     assert again.payload == outcome.payload, "same model, shard and seed give the same update"
@@ -44,21 +44,21 @@ def test_data_flag_trains_on_a_local_file(tmp_path: Path) -> None:
     path = tmp_path / "mine.npz"
     np.savez(path, x=rng.random((40, 64), dtype=np.float32), y=rng.integers(0, 10, 40))
     global_state = model_state(DigitsTask().build_model(0))
-    trainer = LocalTrainer(DIGITS, Shard(0, 1), data_path=path)
+    trainer = LocalTrainer(ShardTraining(DIGITS, Shard(0, 1), data_path=path))
     outcome = trainer.train(encode_state(global_state), work_order(JobSpec()))
     assert outcome.num_samples == 36  # 10% held back for local evaluation
 
     bad = tmp_path / "bad.npz"
     np.savez(bad, x=np.zeros((4, 3)), y=np.zeros(4))
     with pytest.raises(ValueError, match=r"\(N, 64\)"):
-        LocalTrainer(DIGITS, Shard(0, 1), data_path=bad).train(
+        LocalTrainer(ShardTraining(DIGITS, Shard(0, 1), data_path=bad)).train(
             encode_state(global_state), work_order(JobSpec())
         )
 
 
 def test_data_flag_on_a_task_without_files_is_refused(tmp_path: Path) -> None:
     trainer = LocalTrainer(
-        "flotilla.tasks.synthetic:Linear100K", Shard(0, 1), data_path=tmp_path / "x.npz"
+        ShardTraining("flotilla.tasks.synthetic:Linear100K", Shard(0, 1), tmp_path / "x.npz")
     )
     from flotilla.tasks import load_task
     from flotilla.tasks import model_state as state_of
@@ -87,11 +87,13 @@ def test_the_uplink_codec_shrinks_the_update_and_the_server_decodes_it() -> None
 
     global_state = model_state(DigitsTask().build_model(0))
     layout = state_spec(global_state)
-    plain = LocalTrainer(DIGITS, Shard(0, 5)).train(
+    plain = LocalTrainer(ShardTraining(DIGITS, Shard(0, 5))).train(
         encode_state(global_state), plan_order(JobSpec())
     )
     spec = JobSpec.load(EXAMPLE, ["compression.uplink=int8"])
-    small = LocalTrainer(DIGITS, Shard(0, 5)).train(encode_state(global_state), plan_order(spec))
+    small = LocalTrainer(ShardTraining(DIGITS, Shard(0, 5))).train(
+        encode_state(global_state), plan_order(spec)
+    )
     assert small.codec == "int8"
     assert len(plain.payload) / len(small.payload) > 3.5
     exact = decode_state(plain.payload, expected=layout)
@@ -108,7 +110,9 @@ def test_error_feedback_residuals_survive_an_agent_restart(tmp_path: Path) -> No
         ["compression.uplink=topk", "compression.uplink_params.fraction=0.01",
          "compression.error_feedback=true"],
     )  # fmt: skip
-    LocalTrainer(DIGITS, Shard(0, 5), state_dir=tmp_path).train(global_state, plan_order(spec))
+    LocalTrainer(ShardTraining(DIGITS, Shard(0, 5)), state_dir=tmp_path).train(
+        global_state, plan_order(spec)
+    )
     files = list(tmp_path.glob("ef-*.safetensors"))
     assert len(files) == 1, "the residual is saved in the agent's state dir"
     saved = decode_state(files[0].read_bytes())
@@ -116,10 +120,10 @@ def test_error_feedback_residuals_survive_an_agent_restart(tmp_path: Path) -> No
 
     # A new agent process (new trainer) picks the residual up: its update differs from one
     # made without it.
-    resumed = LocalTrainer(DIGITS, Shard(0, 5), state_dir=tmp_path).train(
+    resumed = LocalTrainer(ShardTraining(DIGITS, Shard(0, 5)), state_dir=tmp_path).train(
         global_state, plan_order(spec)
     )
-    fresh = LocalTrainer(DIGITS, Shard(0, 5), state_dir=tmp_path / "other").train(
+    fresh = LocalTrainer(ShardTraining(DIGITS, Shard(0, 5)), state_dir=tmp_path / "other").train(
         global_state, plan_order(spec)
     )
     assert resumed.payload != fresh.payload
@@ -129,10 +133,10 @@ def test_update_momentum_smooths_deltas_across_rounds(tmp_path: Path) -> None:
     global_state = model_state(DigitsTask().build_model(0))
     layout = state_spec(global_state)
     spec = JobSpec.load(EXAMPLE, ["train.update_momentum=0.5"])
-    trainer = LocalTrainer(DIGITS, Shard(0, 5), state_dir=tmp_path)
+    trainer = LocalTrainer(ShardTraining(DIGITS, Shard(0, 5)), state_dir=tmp_path)
     first = decode_state(trainer.train(encode_state(global_state), plan_order(spec)).payload)
     raw = decode_state(
-        LocalTrainer(DIGITS, Shard(0, 5))
+        LocalTrainer(ShardTraining(DIGITS, Shard(0, 5)))
         .train(encode_state(global_state), plan_order(JobSpec()))
         .payload,
         expected=layout,
@@ -150,7 +154,9 @@ def test_fedprox_term_keeps_local_weights_near_the_global_model() -> None:
     def drift(mu: float) -> float:
         spec = JobSpec.load(EXAMPLE, [f"train.proximal_mu={mu}", "train.local_epochs=3"])
         delta = decode_state(
-            LocalTrainer(DIGITS, Shard(0, 5)).train(global_state, plan_order(spec)).payload
+            LocalTrainer(ShardTraining(DIGITS, Shard(0, 5)))
+            .train(global_state, plan_order(spec))
+            .payload
         )
         return float(np.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in delta.values())))
 

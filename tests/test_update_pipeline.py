@@ -22,6 +22,7 @@ from flotilla.core.round_config import RoundConfig
 from flotilla.core.spec import CompressionSection, DataSection, TrainSection
 from flotilla.core.tensors import ModelState, TensorSpec, decode_state, encode_state
 from flotilla.simulation.backend import SimulatedUplink
+from flotilla.tasks import Shard, ShardTraining
 
 LAYOUT = (
     TensorSpec("fc.weight", "F32", (64, 32)),
@@ -29,6 +30,8 @@ LAYOUT = (
     TensorSpec("conv.weight", "F32", (4, 3, 5)),
 )
 ROUNDS = 5
+#: The agent's trainer here only encodes (its training is never called).
+UNTRAINED = ShardTraining("unused:Task", Shard(0, 1))
 #: The round before which the agent process restarts (a new trainer on the same state dir).
 RESTART_AT = 3
 SEED = 1234
@@ -95,7 +98,7 @@ def _agent_payloads(config: RoundConfig, deltas: list[ModelState], tmp: Path) ->
     trainer = None
     for rnd, delta in enumerate(deltas, start=1):
         if trainer is None or rnd == RESTART_AT:
-            trainer = LocalTrainer("unused", None, state_dir=tmp / "agent", entropy=entropy)
+            trainer = LocalTrainer(UNTRAINED, state_dir=tmp / "agent", entropy=entropy)
         pipeline = trainer.pipeline(config)
         out.append(pipeline.encode("job-1", pipeline.smooth("job-1", delta)))
     return out
@@ -131,7 +134,7 @@ def test_state_carries_over_rounds_so_the_check_is_not_vacuous(tmp_path: Path) -
     entropy = _sim_entropy(SEED)
     forgetful = []
     for i, delta in enumerate(deltas):  # a fresh trainer and state dir every round
-        trainer = LocalTrainer("unused", None, state_dir=tmp_path / f"a{i}", entropy=entropy)
+        trainer = LocalTrainer(UNTRAINED, state_dir=tmp_path / f"a{i}", entropy=entropy)
         pipeline = trainer.pipeline(config)
         forgetful.append(pipeline.encode("job-1", pipeline.smooth("job-1", delta)))
     assert forgetful[0] == simulated[0]

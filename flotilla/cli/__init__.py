@@ -261,14 +261,14 @@ def _client_parser(commands: Any) -> None:
 def _client(args: argparse.Namespace) -> int:
     from flotilla.client import Agent, AgentConfig, LocalTrainer
     from flotilla.core.allreduce import PeerOptions
-    from flotilla.tasks import Shard, load_task
+    from flotilla.tasks import Shard, ShardTraining, load_task
 
     try:
         shard = Shard.parse(args.shard)
     except ValueError as exc:
         raise SpecError(f"--shard: {exc}") from exc
     load_task(args.task)  # fail now, not at the first round
-    trainer = LocalTrainer(args.task, shard, data_path=args.data, state_dir=args.state_dir)
+    trainer = LocalTrainer(ShardTraining(args.task, shard, args.data), state_dir=args.state_dir)
     config = AgentConfig(
         server=args.server,
         token=args.token,

@@ -8,21 +8,19 @@ momentum) lives in the agent's state dir, so it survives a restart of the agent.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from flotilla.compression import CodecContext, make_codec
 from flotilla.compression.broadcast import decode_model
 from flotilla.compression.pipeline import FileStates, MemoryStates, StateStore, UpdatePipeline
 from flotilla.core.blobs import sha256_hex
-from flotilla.core.errors import TaskLoadError
 from flotilla.core.round_config import RoundConfig
-from flotilla.core.spec import DataSection
+from flotilla.core.spec import DataSection, TrainSection
 from flotilla.core.tensors import ModelState
-from flotilla.core.update import COMPUTE_METRIC
+from flotilla.core.update import LocalRound
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,20 +51,29 @@ class TrainOutcome:
             object.__setattr__(self, "payload_sha256", sha256_hex(self.payload))
 
 
+class RoundTraining(Protocol):
+    """A task on this device's data (``flotilla.tasks.ShardTraining``): the client never
+    imports a task or torch, so light devices and the simulator can share this module."""
+
+    #: The task's entry point, as the device announces it (``package.module:Name``).
+    @property
+    def task_name(self) -> str: ...
+
+    def __call__(
+        self, global_state: ModelState, train: TrainSection, data: DataSection, seed: int
+    ) -> LocalRound: ...
+
+
 @dataclass(slots=True)
 class LocalTrainer:
-    """Runs a task on this device's shard. Called in a worker thread, one round at a time."""
+    """Trains one round and turns the result into what travels. Called in a worker thread,
+    one round at a time."""
 
-    task_name: str
-    shard: Any  # flotilla.tasks.Shard; typed loosely so this module stays torch-free
-    #: Local files for tasks that read them (``--data``); such a task has ``load_path``.
-    data_path: Path | None = None
+    training: RoundTraining
     #: Where per-job residuals and update momentum are kept; None keeps them in memory.
     state_dir: Path | None = None
     #: The uplink codec's randomness; fresh OS entropy unless a test replays an encoding.
     entropy: Callable[[], CodecContext] = CodecContext
-    _task: Any = field(default=None, init=False)
-    _data: dict[str, Any] = field(default_factory=dict, init=False)
     _residuals: StateStore[str] = field(init=False)
     _velocity: StateStore[str] = field(init=False)
 
@@ -78,19 +85,10 @@ class LocalTrainer:
             self._residuals = FileStates(self.state_dir)
             self._velocity = FileStates(self.state_dir, prefix="momentum:")
 
-    def _load(self) -> Any:
-        if self._task is None:
-            from flotilla.tasks import load_task
-
-            self._task = load_task(self.task_name)
-        return self._task
-
-    def _load_data(self, task: Any, data_cfg: DataSection) -> Any:
-        if self.data_path is None:
-            return task.load_shard(self.shard, data_cfg)
-        if not hasattr(task, "load_path"):
-            raise TaskLoadError(f"task {self.task_name} does not read local files (--data)")
-        return task.load_path(self.data_path, data_cfg)
+    @property
+    def task_name(self) -> str:
+        """The task this device trains, as it announces it to the server."""
+        return self.training.task_name
 
     def pipeline(self, config: RoundConfig) -> UpdatePipeline[str]:
         """The job's update pipeline over this device's stored momentum and residuals."""
@@ -104,26 +102,13 @@ class LocalTrainer:
         )
 
     def train(self, model_bytes: bytes | memoryview, work: TrainWork) -> TrainOutcome:
-        from flotilla.tasks import load_model_state, model_state
-
-        task = self._load()
         config = work.config
-        key = config.data.key()
-        if key not in self._data:
-            self._data = {key: self._load_data(task, config.data)}
-        data = self._data[key]
         global_state = decode_model(model_bytes, config)
-        model = task.build_model(0)
-        load_model_state(model, global_state)
-        started = time.perf_counter()
-        num_samples, metrics = task.train(model, data, config.train, work.seed)
-        # Reported so the server's scheduler can tell compute from transfer time.
-        metrics = {**metrics, COMPUTE_METRIC: time.perf_counter() - started}
-        metrics = {**metrics, **task.evaluate(model, data.val)}
-        metrics = {k: float(v) for k, v in metrics.items()}
-        local = model_state(model)
+        trained = self.training(global_state, config.train, config.data, work.seed)
+        metrics, local = trained.metrics, trained.state
+        num_samples = trained.num_samples
         delta: ModelState = {name: local[name] - global_state[name] for name in global_state}
-        del local, model
+        del local, trained
         pipeline = self.pipeline(config)
         delta = pipeline.smooth(work.job_id, delta)
         if config.p2p is not None:  # averaged with the group, compressed on hivemind's wire

@@ -24,3 +24,13 @@ class Update:
     #: Local model minus the round's global model, per tensor.
     delta: ModelState
     metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRound:
+    """What a device's task returns after one round of local training, before it travels."""
+
+    num_samples: int
+    metrics: dict[str, float]
+    #: The trained model, whole (the client takes the delta from the global model).
+    state: ModelState

@@ -5,6 +5,8 @@ Module map:
 - :mod:`flotilla.tasks.base` -- the :class:`Task` protocol, :class:`Shard`, :class:`LocalData`,
   :func:`load_task` (entry points like ``"flotilla.tasks.digits:DigitsTask"``) and the
   torch <-> numpy model-state conversion.
+- :mod:`flotilla.tasks.device` -- :class:`ShardTraining`, a task on one device's data (numpy
+  model in, trained numpy model out), injected into the agent's trainer.
 - :mod:`flotilla.tasks.digits` -- :class:`DigitsTask`, the offline reference task (MLP on
   scikit-learn's 8x8 digits, Dirichlet non-IID shards).
 - :mod:`flotilla.tasks.synthetic` -- :class:`Linear100K` and :class:`Linear10M`, load-testing
@@ -29,6 +31,7 @@ from flotilla.tasks.base import (
     proximal_anchor,
     proximal_term,
 )
+from flotilla.tasks.device import ShardTraining
 
 if TYPE_CHECKING:
     from flotilla.tasks.digits import DigitsTask
@@ -41,6 +44,7 @@ __all__ = [
     "Linear100K",
     "LocalData",
     "Shard",
+    "ShardTraining",
     "Task",
     "load_model_state",
     "load_task",
