@@ -443,7 +443,6 @@ class AgentService(pb_grpc.AgentServicer):
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaveReply:
         device = await self._device(context)
-        self.server.gateway.fail(device.id, f"left: {request.reason or 'no reason given'}")
-        self.server.pool.leave(device.id)
+        self.server.gateway.leave(device.id, request.reason or "no reason given")
         log.info("device %s left (%s)", device.id, request.reason)
         return pb.LeaveReply()

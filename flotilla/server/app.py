@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -22,11 +21,18 @@ from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecEr
 from flotilla.core.records import DeviceRecord, JobRecord
 from flotilla.core.spec import JobSpec
 from flotilla.core.timeouts import Timeouts
-from flotilla.engine import EngineConfig, JobRunner, validate_spec
-from flotilla.engine.evaluation import initial_model, server_evaluator
+from flotilla.engine import (
+    EngineConfig,
+    EngineServices,
+    build_runner,
+    job_selector,
+    selection_rng,
+    submitted_job,
+    validate_spec,
+)
 from flotilla.proto import bulk, handlers
 from flotilla.proto import flotilla_pb2 as pb
-from flotilla.scheduling import Arbiter, DevicePool, Selector, make_selector
+from flotilla.scheduling import Arbiter, DevicePool, Leases, Selector
 from flotilla.server.agent_service import AgentService, profile_from_pb
 from flotilla.server.federation import auth
 from flotilla.server.federation.budget import ByteBudget
@@ -36,6 +42,7 @@ from flotilla.server.memory import release_free_memory
 from flotilla.server.operator_service import OperatorService
 from flotilla.server.rendezvous import Rendezvous, require_p2p
 from flotilla.server.volunteer_host import VolunteerHost, VolunteerRunSpec
+from flotilla.tasks.runtime import LocalTasks
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +85,8 @@ class FederationServer:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.blobs = BlobStore(self.state_dir / "blobs")
         self.pool = DevicePool(clock=time.time)
-        self.gateway = Gateway(self.pool, time.time)
+        self.leases = Leases(self.pool)
+        self.gateway = Gateway(self.pool, time.time, self.leases)
         engine = config.engine
         self.arbiter = Arbiter(self.pool, time.time, engine.selection_grace_s, engine.idle_poll_s)
         self.upload_budget = ByteBudget(config.upload_budget_bytes)
@@ -89,7 +97,6 @@ class FederationServer:
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._devices: dict[str, DeviceRecord] = {}
-        self._rng = random.Random()
         self.volunteers = VolunteerHost(
             config.volunteer_runs, self.state_dir / "volunteer", config.p2p_host_maddrs
         )
@@ -269,13 +276,8 @@ class FederationServer:
     # --- jobs ----------------------------------------------------------------------------
 
     def _selector(self, spec: JobSpec) -> Selector:
-        return make_selector(
-            spec.scheduling,
-            self.pool,
-            random.Random(self._rng.random()),
-            spec.job.round_deadline_s,
-            spec.job.rounds,
-        )
+        """Selection seeded from ``job.seed`` (core/spec.py), as the simulator seeds it."""
+        return job_selector(spec, self.pool, selection_rng(spec.job.seed))
 
     async def submit_job(self, spec_json: str) -> JobRecord:
         spec = JobSpec.from_json(spec_json, "submitted spec")
@@ -283,20 +285,14 @@ class FederationServer:
         if spec.aggregation.transport == "p2p":
             require_p2p()
         self._selector(spec)  # e.g. an rl policy_file that is missing: refused now
+        job_id = "job-" + uuid.uuid4().hex[:10]
         try:
-            model_bytes = await asyncio.to_thread(initial_model, spec)
+            job, size = await asyncio.to_thread(
+                submitted_job, job_id, spec, self.blobs, LocalTasks(), time.time()
+            )
         except TaskLoadError as exc:
             raise SpecError(f"job.task: {exc}") from exc
-        sha = await asyncio.to_thread(self.blobs.put, model_bytes)
-        await self.store.add_checkpoint(sha, len(model_bytes))
-        job = JobRecord.submitted(
-            "job-" + uuid.uuid4().hex[:10],
-            spec.job.name,
-            spec.to_json(),
-            spec.job.rounds,
-            sha,
-            time.time(),
-        )
+        await self.store.add_checkpoint(job.checkpoint_sha256, size)
         await self.store.add_job(job)
         self._start_runner(job)
         return job
@@ -310,39 +306,35 @@ class FederationServer:
         return await self.store.set_job_state(job_id, "cancelled")
 
     def _start_runner(self, job: JobRecord) -> None:
-        spec = JobSpec.from_json(job.spec_json, f"job {job.id}")
-        runner = JobRunner(
-            job=job,
-            spec=spec,
-            backend=self.gateway,
-            pool=self.pool,
-            selector=self._selector(spec),
-            ledger=self.store,
-            blobs=self.blobs,
-            evaluator=None,
-            clock=time.time,
-            config=self.config.engine,
-            spool_dir=self.state_dir / "spool" / job.id,
-            arbiter=self.arbiter,
-            rendezvous=self.rendezvous.peers,
-            p2p_members=self.rendezvous.members,
-        )
-        task = asyncio.ensure_future(self._run_job(runner))
+        task = asyncio.ensure_future(self._run_job(job))
         self._runners[job.id] = task
 
-    async def _run_job(self, runner: JobRunner) -> None:
-        job_id = runner.job.id
+    async def _run_job(self, job: JobRecord) -> None:
+        job_id = job.id
         try:
+            spec = JobSpec.from_json(job.spec_json, f"job {job.id}")
             # Importing a task (torch, data) takes seconds: keep it off the event loop.
-            runner.evaluator = await asyncio.to_thread(server_evaluator, runner.spec)
-            await runner.run()
+            evaluator = await asyncio.to_thread(LocalTasks().evaluator, spec)
+            services = EngineServices(
+                backend=self.gateway,
+                leases=self.leases,
+                arbiter=self.arbiter,
+                ledger=self.store,
+                blobs=self.blobs,
+                clock=time.time,
+                config=self.config.engine,
+                p2p=self.rendezvous,
+            )
+            rng = selection_rng(spec.job.seed)
+            spool = self.state_dir / "spool" / job.id
+            await build_runner(job, spec, services, rng, evaluator, spool).run()
         except asyncio.CancelledError:
             raise
         except FlotillaError as exc:
             log.error("job %s stopped: %s", job_id, exc)
             with contextlib.suppress(Exception):
-                job = await self.store.get_job(job_id)
-                if job is not None and not job.terminal:
+                current = await self.store.get_job(job_id)
+                if current is not None and not current.terminal:
                     await self.store.set_job_state(job_id, "failed")
         except Exception:
             log.exception("job %s failed", job_id)
