@@ -38,9 +38,11 @@ class Traits:
 
     #: Robust rules: the round's updates are spooled to disk and finalize reads them all.
     needs_all_updates: bool = False
-    #: DP: call ``check_budget(q)`` before each round and ``spend(q)`` after finalize.
+    #: DP: the round's sampling rate matters (the engine calls a :class:`PrivacyBudgeted`
+    #: aggregator's ``check_budget(q)`` before each round and ``spend(q)`` after finalize).
     needs_sampling_rate: bool = False
-    #: FedBuff: ``add(update, weight, staleness=...)`` and finalize whenever ``ready()``.
+    #: FedBuff: the job runs buffered rounds (the engine's ``BufferedRounds`` mode), over a
+    #: :class:`StalenessWeighted`, :class:`Buffering` aggregator.
     asynchronous: bool = False
 
 

@@ -57,7 +57,8 @@ class BufferedRounds:
             )
         aggregator.begin(ctx.job.rounds_committed, await ctx.global_model())
         arrivals: asyncio.Queue[_Arrival] = asyncio.Queue()
-        readers: set[asyncio.Task[None]] = set()
+        #: Each dispatch's reader, and its lease.
+        readers: dict[asyncio.Task[None], Lease[Dispatched]] = {}
         #: Device -> the lease it trains under.
         training: dict[str, Lease[Dispatched]] = {}
         tally = RoundTally()
@@ -82,13 +83,30 @@ class BufferedRounds:
                 tally = RoundTally()
                 started = ctx.clock()
         finally:
-            for reader in readers:
+            running = dict(readers)
+            for reader in running:
                 reader.cancel()
-            for reader in list(readers):
+            for reader, lease in running.items():
                 with contextlib.suppress(asyncio.CancelledError):
                     await reader
+                # A reader cancelled before it first ran never closed its stream.
+                await lease.work.results.aclose()
+            _refuse_unread(arrivals)
             for device_id, lease in training.items():
                 lease.free([device_id])
+
+
+def _refuse_unread(arrivals: asyncio.Queue[_Arrival]) -> None:
+    """Answer the updates read but not folded when the job ended, and let their devices go
+    (their senders would otherwise wait out their verdict timeout)."""
+    while not arrivals.empty():
+        arrival = arrivals.get_nowait()
+        result = arrival.result
+        if isinstance(result, Delivered):
+            result.settle("stale: the job ended before this update was aggregated")
+            arrival.lease.free([result.update.device_id])
+        else:
+            arrival.lease.free([result.device_id])
 
 
 def _take(
@@ -112,7 +130,7 @@ def _take(
 def _top_up(
     ctx: RoundContext,
     training: dict[str, Lease[Dispatched]],
-    readers: set[asyncio.Task[None]],
+    readers: dict[asyncio.Task[None], Lease[Dispatched]],
     arrivals: asyncio.Queue[_Arrival],
 ) -> None:
     """Dispatch the newest model to idle devices until ``clients_per_round`` are training."""
@@ -127,10 +145,10 @@ def _top_up(
     for device_id in lease.devices:
         training[device_id] = lease
     reader = asyncio.ensure_future(_drain(lease, version, ctx, arrivals))
-    readers.add(reader)
+    readers[reader] = lease
 
     def finished(done: asyncio.Task[None]) -> None:
-        readers.discard(done)
+        readers.pop(done, None)
         # Devices of this dispatch that never reported no longer count as training; the
         # gateway frees them when they poll again.
         for device_id in lease.devices:

@@ -62,7 +62,7 @@ class RoundStream:
 
     async def __anext__(self) -> RoundResult:
         rnd = self._rnd
-        if rnd.task.round_token in self._gateway._rounds and (
+        if self._gateway.round_open(rnd.task.round_token) and (
             rnd.pending or not rnd.results.empty()
         ):
             return await rnd.results.get()
@@ -70,7 +70,7 @@ class RoundStream:
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
-        self._gateway._close(self._rnd)
+        self._gateway.close_round(self._rnd)
 
 
 @dataclass(slots=True)
@@ -94,7 +94,8 @@ class Gateway:
             self._wakeup(device_id).set()
         return RoundStream(self, rnd)
 
-    def _close(self, rnd: OpenRound) -> None:
+    def close_round(self, rnd: OpenRound) -> None:
+        """The engine is done with ``rnd``: later updates are stale, unread ones refused."""
         if self._rounds.get(rnd.task.round_token) is not rnd:
             return
         del self._rounds[rnd.task.round_token]
