@@ -12,6 +12,7 @@ import ast
 import asyncio
 import contextlib
 import math
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ from flotilla.engine.backend import Delivered, Failed, ResultStream, RoundResult
 from flotilla.scheduling import Arbiter, DevicePool, Grant, Lease, Leases, RoundOutcome
 from flotilla.server.federation.gateway import Gateway
 from flotilla.simulation.backend import SimBackend
-from flotilla.simulation.population import PopulationSection
+from flotilla.simulation.fleet import Fleet
+from flotilla.simulation.population import AvailabilitySection, PopulationSection, draw_devices
 from flotilla.simulation.training import ClientResult
 
 pytestmark = pytest.mark.timeout(20)
@@ -520,3 +522,30 @@ async def test_hanging_up_mid_verdict_frees_the_device_and_withdraws_the_update(
     assert gw_harness.freed() == {"a"}
     result = await gw_harness.next()
     assert isinstance(result, Delivered) and not result.wanted()
+
+
+async def test_a_simulated_device_going_offline_is_freed_of_its_job() -> None:
+    """The virtual fleet's availability reaches the pool through the lease owner too."""
+    availability = AvailabilitySection("exponential", mean_on_s=0.05, mean_off_s=0.05)
+    population = PopulationSection(clients=6, availability=availability)
+    pool = DevicePool(asyncio.get_running_loop().time)
+    recorder = Recorder(pool)
+    fleet = Fleet(draw_devices(population, 0), (TASK,), availability, 0, recorder)
+    fleet.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not (online := [p.device_id for p in pool.idle(TASK)]):
+            assert time.monotonic() < deadline, "no device ever came online"
+            await asyncio.sleep(0.01)
+        got = Arbiter(pool, lambda: 0.0).grant_now(JOB, TASK, 1, Pick(online))
+        assert got is not None
+        lease = recorder.dispatch(got, list)
+        assert lease is not None
+        (device_id,) = lease.devices
+        while ("left", device_id) not in recorder.events:
+            assert time.monotonic() < deadline, "the device never went offline"
+            await asyncio.sleep(0.01)
+        assert not pool.is_online(device_id)
+        assert pool.busy_with(device_id) is None
+    finally:
+        fleet.stop()
