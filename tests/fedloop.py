@@ -18,9 +18,9 @@ from flotilla.core.round_config import RoundConfig
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import decode_state, encode_state, state_spec
 from flotilla.engine import JobPlan
-from flotilla.engine.evaluation import initial_model, server_evaluator
 from flotilla.server.federation.uploads import decode_update
 from flotilla.tasks import Shard, ShardTraining
+from flotilla.tasks.runtime import LocalTasks
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"
 
@@ -49,11 +49,11 @@ def run_federation(
     seed: int = 0,
 ) -> LoopResult:
     plan = JobPlan.from_spec(spec)
-    model = decode_state(initial_model(spec))
+    model = decode_state(LocalTasks().initial_model(spec))
     model = {k: v.copy() for k, v in model.items()}
     layout = state_spec(model)
     aggregator = plan.aggregator(layout, state_dir / "spool" if state_dir else None)
-    evaluate = server_evaluator(spec)
+    evaluate = LocalTasks().evaluator(spec)
     assert evaluate is not None
     trainers = [
         LocalTrainer(ShardTraining(spec.job.task, Shard(i, clients)), state_dir=_dir(state_dir, i))

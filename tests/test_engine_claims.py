@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +24,9 @@ from flotilla.core.records import JobRecord, RoundCommit
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import encode_state
 from flotilla.core.update import Update
-from flotilla.engine import EngineConfig, JobRunner, RoundResult, TrainTask
-from flotilla.scheduling import DevicePool, RandomSelector
-from flotilla.server.federation.gateway import Gateway
+from flotilla.engine import EngineConfig, EngineServices, JobRunner, TrainTask
+from flotilla.scheduling import Arbiter, DevicePool, Leases, RandomSelector
+from flotilla.server.federation.gateway import Gateway, RoundStream
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,7 +60,7 @@ class Checked:
         self.freed: list[str] = []
         self.dispatches = 0
 
-    def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> AsyncIterator[RoundResult]:
+    def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> RoundStream:
         self.dispatches += 1
         pool = self.gateway.pool
         self.freed += [d for d in device_ids if pool.busy_with(d) != task.job_id]
@@ -85,7 +85,8 @@ async def test_no_device_is_freed_between_its_claim_and_its_dispatch(tmp_path: P
     devices = [f"d{i}" for i in range(6)]
     for d in devices:
         pool.seen(DeviceProfile(d, tasks=(TASK,)))
-    gateway = Gateway(pool, time.time)
+    leases = Leases(pool)
+    gateway = Gateway(pool, time.time, leases)
     backend = Checked(gateway)
     blobs = BlobStore(tmp_path / "blobs")
     spec = JobSpec.from_dict(
@@ -102,22 +103,15 @@ async def test_no_device_is_freed_between_its_claim_and_its_dispatch(tmp_path: P
         created_at=0.0,
         updated_at=0.0,
     )
-    runner = JobRunner(
-        job=job,
-        spec=spec,
-        backend=backend,
-        pool=pool,
-        selector=RandomSelector(random.Random(0)),
-        ledger=Ledger(job),
-        blobs=blobs,
-        evaluator=None,
-        clock=time.time,
-        config=EngineConfig(selection_grace_s=0.01, idle_poll_s=0.001),
-    )
+    config = EngineConfig(selection_grace_s=0.01, idle_poll_s=0.001)
+    arbiter = Arbiter(pool, time.time, config.selection_grace_s, config.idle_poll_s)
+    services = EngineServices(backend, leases, arbiter, Ledger(job), blobs, time.time, config)
+    runner = JobRunner(job, spec, services, RandomSelector(random.Random(0)), evaluator=None)
     agents = [asyncio.ensure_future(agent(gateway, d)) for d in devices]
     try:
         done = await asyncio.wait_for(runner.run(), timeout=30)
     finally:
+        await arbiter.close()
         for task in agents:
             task.cancel()
         await asyncio.gather(*agents, return_exceptions=True)

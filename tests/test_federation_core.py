@@ -21,6 +21,7 @@ from flotilla.server.federation.facade import Federation, FederationConfig
 from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.store import Store, default_url
 from flotilla.server.federation.views import RoundRef, UploadHeader, VolunteerRunInfo
+from flotilla.tasks.runtime import LocalTasks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,7 +59,7 @@ async def core(tmp_path: Path) -> AsyncIterator[tuple[Federation, Store, FakeRen
         engine=EngineConfig(selection_grace_s=0.1),
     )
     federation = Federation(
-        config, store, ByteBudget(1 << 20), Hosted(rendezvous, FakeVolunteers())
+        config, store, ByteBudget(1 << 20), Hosted(rendezvous, FakeVolunteers()), LocalTasks()
     )
     await federation.start()
     try:

@@ -14,7 +14,7 @@ from flotilla.core.errors import StaleRoundError, UpdateRejected
 from flotilla.core.tensors import TensorSpec
 from flotilla.core.update import Update
 from flotilla.engine.backend import Delivered, Failed, RoundResult, TrainTask
-from flotilla.scheduling import DevicePool
+from flotilla.scheduling import DevicePool, Leases
 from flotilla.server.federation.gateway import Gateway
 
 pytestmark = pytest.mark.timeout(10)
@@ -91,7 +91,7 @@ def gw(clock: FakeClock) -> Gateway:
     pool = DevicePool(clock)
     for device_id in "abcdef":
         pool.seen(DeviceProfile(device_id, tasks=(TASK,)))
-    return Gateway(pool, clock)
+    return Gateway(pool, clock, Leases(pool))
 
 
 @pytest.fixture

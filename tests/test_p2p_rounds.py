@@ -28,8 +28,8 @@ from flotilla.core.tensors import TensorSpec, state_sha256
 from flotilla.core.update import Update
 from flotilla.engine import Reported, TrainTask, validate_spec
 from flotilla.engine.p2p_round import Agreement
-from flotilla.engine.rounds import RoundTally
-from flotilla.scheduling import DevicePool
+from flotilla.engine.tally import RoundTally
+from flotilla.scheduling import DevicePool, Leases
 from flotilla.server.federation.gateway import Gateway
 from tests.conftest import AgentFleet, ServerProcess
 
@@ -50,7 +50,7 @@ def _gateway() -> Gateway:
     pool = DevicePool(clock)
     for device_id in "abcd":
         pool.seen(DeviceProfile(device_id, tasks=(TASK,)))
-    return Gateway(pool, clock)
+    return Gateway(pool, clock, Leases(pool))
 
 
 def _report(device: str, sha: str, members: str = "abc") -> Reported:

@@ -5,7 +5,8 @@ Every strategy follows :class:`Aggregator`: ``begin(round, global_state)``,
 ``state()``/``restore()`` for what must outlive the process. Build one by name with
 :func:`make_aggregator`; :func:`strategy_info` says what the engine must do for it.
 
-- ``base``: the protocol, :class:`Traits`, shared bookkeeping.
+- ``base``: the protocol, :class:`Traits`, shared bookkeeping, and the capability
+  protocols :class:`PrivacyBudgeted`, :class:`StalenessWeighted` and :class:`Buffering`.
 - ``fedavg``: :class:`FedAvg` (also FedProx's server side).
 - ``fedopt``: server optimizers :class:`FedAvgM` and :class:`FedOpt` (Adam, Yogi, Adagrad).
 - ``robust``: median, trimmed mean, Krum, multi-Krum, centered clipping, all over an
@@ -17,7 +18,13 @@ Every strategy follows :class:`Aggregator`: ``begin(round, global_state)``,
 See ``docs/aggregation.md`` for the equations, defaults and memory behaviour.
 """
 
-from flotilla.aggregation.base import Aggregator, Traits
+from flotilla.aggregation.base import (
+    Aggregator,
+    Buffering,
+    PrivacyBudgeted,
+    StalenessWeighted,
+    Traits,
+)
 from flotilla.aggregation.dp import (
     DPFedAvg,
     DPParams,
@@ -51,6 +58,7 @@ from flotilla.aggregation.spool import SpoolLimits, UpdateSpool
 __all__ = [
     "STRATEGY_NAMES",
     "Aggregator",
+    "Buffering",
     "CenteredClipping",
     "CenteredClippingParams",
     "CoordinateMedian",
@@ -70,8 +78,10 @@ __all__ = [
     "MedianParams",
     "MultiKrumParams",
     "PrivacyAccountant",
+    "PrivacyBudgeted",
     "RobustAggregator",
     "SpoolLimits",
+    "StalenessWeighted",
     "StrategyInfo",
     "Traits",
     "TrimmedMean",

@@ -4,6 +4,11 @@ An aggregator lives as long as its job: ``begin`` opens a round on the current g
 model, ``add`` takes each accepted update, ``finalize`` returns the next global model.
 Whatever must survive a server restart (optimizer moments, clip norms, privacy history)
 comes out of ``state()`` as a flat tensor dict the engine stores next to the checkpoint.
+
+Strategies with more to offer declare it by capability, each a protocol of its own that
+the engine checks with ``isinstance``: :class:`PrivacyBudgeted` (DP's sampling-rate
+budget), :class:`StalenessWeighted` (updates trained on an older model) and
+:class:`Buffering` (finalize whenever a buffer is full, not once per round).
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ class Traits:
 
     #: Robust rules: the round's updates are spooled to disk and finalize reads them all.
     needs_all_updates: bool = False
-    #: DP: call ``check_budget(q)`` before each round and ``spend(q)`` after finalize.
+    #: DP: the round's sampling rate matters (the engine calls a :class:`PrivacyBudgeted`
+    #: aggregator's ``check_budget(q)`` before each round and ``spend(q)`` after finalize).
     needs_sampling_rate: bool = False
-    #: FedBuff: ``add(update, weight, staleness=...)`` and finalize whenever ``ready()``.
+    #: FedBuff: the job runs buffered rounds (the engine's ``BufferedRounds`` mode), over a
+    #: :class:`StalenessWeighted`, :class:`Buffering` aggregator.
     asynchronous: bool = False
 
 
@@ -81,6 +88,38 @@ class Aggregator(Protocol):
 
     def close(self) -> None:
         """Release disk spool and buffers; idempotent."""
+        ...
+
+
+@runtime_checkable
+class PrivacyBudgeted(Protocol):
+    """A strategy that spends a privacy budget per round, at the round's sampling rate."""
+
+    def check_budget(self, q: float) -> float:
+        """Refuse (BudgetExhausted) a round at sampling rate ``q`` the budget cannot pay
+        for; else plan it and return the epsilon it would bring the job to."""
+        ...
+
+    def spend(self, q: float | None = None) -> float:
+        """Record a finalized round (at ``q``, default the planned rate); returns epsilon."""
+        ...
+
+
+@runtime_checkable
+class StalenessWeighted(Protocol):
+    """A strategy that takes updates trained on an older model, weighted by staleness."""
+
+    def add_stale(self, update: Mapping[str, np.ndarray], weight: float, staleness: int) -> None:
+        """``add`` for an update trained ``staleness`` committed models ago."""
+        ...
+
+
+@runtime_checkable
+class Buffering(Protocol):
+    """A strategy that finalizes whenever its buffer is full, not at a round's end."""
+
+    def ready(self) -> bool:
+        """True when enough updates are buffered to finalize."""
         ...
 
 

@@ -97,6 +97,10 @@ class FedBuff(StreamingBase):
 
     def add(self, update: Mapping[str, np.ndarray], weight: float, staleness: int = 0) -> None:
         """Fold ``weight * s(staleness) * update``; staleness = version - trained-on version."""
+        self.add_stale(update, weight, staleness)
+
+    def add_stale(self, update: Mapping[str, np.ndarray], weight: float, staleness: int) -> None:
+        """:meth:`add` with the staleness spelled out (:class:`StalenessWeighted`)."""
         self._round.open()
         try:
             tau = operator.index(staleness)

@@ -1,34 +1,59 @@
 """The round engine: a job's rounds as select -> dispatch -> collect -> commit.
 
 - ``backend``: the :class:`Backend` protocol (real or virtual devices) and the round's data.
-- ``ports``: what the engine needs from storage and evaluation (:class:`Ledger`, :class:`Blobs`).
+- ``ports``: what the engine needs from storage, evaluation and tasks (:class:`Ledger`,
+  :class:`Blobs`, :class:`TaskRuntime`).
 - ``plan``: :class:`JobPlan`, a spec turned into aggregator and codecs; :func:`validate_spec`.
-- ``rounds``: :class:`JobRunner`, which drives one job round by round.
-- ``p2p_round``: server-less rounds (``transport = "p2p"``): devices average, quorum commits.
-- ``buffered``: FedBuff's asynchronous rounds, for strategies with ``traits.asynchronous``.
-- ``evaluation``: a job's round-0 model and held-out evaluation, from its task.
+- ``services``: :class:`EngineServices`, what every job of a process shares, and
+  :class:`EngineConfig`.
+- ``tally``: a round's :class:`RoundTally` and reading a result stream.
+- ``context``: the public :class:`RoundContext` and the :class:`RoundMode` protocol.
+- ``sync_round``, ``buffered``, ``p2p_round``: the three modes (synchronous, FedBuff's
+  asynchronous buffered rounds, server-less rounds where devices average).
+- ``rounds``: :class:`JobRunner`, the context that drives one job in its mode.
+- ``build``: :func:`build_runner` and :func:`submitted_job`, shared by server and simulation.
 """
 
-from flotilla.engine.backend import Backend, Delivered, Failed, Reported, RoundResult, TrainTask
-from flotilla.engine.evaluation import initial_model, server_evaluator
+from flotilla.engine.backend import (
+    Backend,
+    Delivered,
+    Failed,
+    Reported,
+    ResultStream,
+    RoundResult,
+    TrainTask,
+)
+from flotilla.engine.build import build_runner, job_selector, selection_rng, submitted_job
+from flotilla.engine.context import Dispatched, RoundContext, RoundMode
 from flotilla.engine.plan import JobPlan, validate_spec
-from flotilla.engine.ports import Blobs, Evaluator, Ledger
-from flotilla.engine.rounds import EngineConfig, JobRunner
+from flotilla.engine.ports import Blobs, Evaluator, Ledger, TaskRuntime
+from flotilla.engine.rounds import JobRunner, round_mode
+from flotilla.engine.services import EngineConfig, EngineServices, P2PPeers
 
 __all__ = [
     "Backend",
     "Blobs",
     "Delivered",
+    "Dispatched",
     "EngineConfig",
+    "EngineServices",
     "Evaluator",
     "Failed",
     "JobPlan",
     "JobRunner",
     "Ledger",
+    "P2PPeers",
     "Reported",
+    "ResultStream",
+    "RoundContext",
+    "RoundMode",
     "RoundResult",
+    "TaskRuntime",
     "TrainTask",
-    "initial_model",
-    "server_evaluator",
+    "build_runner",
+    "job_selector",
+    "round_mode",
+    "selection_rng",
+    "submitted_job",
     "validate_spec",
 ]

@@ -88,15 +88,25 @@ class Reported:
 RoundResult = Delivered | Failed | Reported
 
 
+class ResultStream(Protocol):
+    """A round's results as they arrive; closing it closes the round."""
+
+    def __aiter__(self) -> AsyncIterator[RoundResult]: ...
+
+    async def __anext__(self) -> RoundResult: ...
+
+    async def aclose(self) -> None: ...
+
+
 class Backend(Protocol):
     """Runs a round's task on devices and streams back their results as they arrive.
 
-    The engine claims the devices in the pool and dispatches in the same event-loop step
-    (no await between), so a backend may treat a claimed device it has no task for as
-    free. The engine stops iterating when it has enough updates or the deadline passes,
-    then closes the iterator; from then on the backend must refuse the round's late updates.
+    ``dispatch`` is only ever called from inside :meth:`flotilla.scheduling.Leases.dispatch`,
+    which claims the devices in the same call, so a backend may treat a claimed device it
+    has no task for as free. The engine stops iterating when it has enough updates or the
+    deadline passes, then closes the stream; from then on the backend must refuse the
+    round's late updates. A backend never frees a device: it reports it to the lease owner
+    (:class:`flotilla.scheduling.DeviceEvents`).
     """
 
-    def dispatch(
-        self, task: TrainTask, device_ids: Sequence[str]
-    ) -> AsyncIterator[RoundResult]: ...
+    def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> ResultStream: ...

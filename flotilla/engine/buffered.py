@@ -12,124 +12,146 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
-from flotilla.core.errors import UpdateRejected
-from flotilla.core.tensors import decode_state
+from flotilla.aggregation import Buffering, StalenessWeighted
+from flotilla.core.errors import FlotillaError, UpdateRejected
 from flotilla.engine.backend import Delivered, RoundResult
-from flotilla.engine.rounds import JobRunner, RoundTally, next_result
+from flotilla.engine.context import Dispatched, RoundContext
+from flotilla.engine.tally import RoundTally, next_result
+from flotilla.scheduling import Lease
 
 log = logging.getLogger(__name__)
 
-Arrival = tuple[int, RoundResult]
+
+@dataclass(frozen=True, slots=True)
+class _Arrival:
+    #: The model version its device trained on.
+    version: int
+    result: RoundResult
+    lease: Lease[Dispatched]
 
 
 async def _drain(
-    results: AsyncIterator[RoundResult],
-    version: int,
-    expected: int,
-    deadline: float,
-    runner: JobRunner,
-    out: asyncio.Queue[Arrival],
+    lease: Lease[Dispatched], version: int, ctx: RoundContext, out: asyncio.Queue[_Arrival]
 ) -> None:
     """Forward one dispatch's results, tagged with the model version they trained on."""
-    async with contextlib.aclosing(results):  # type: ignore[type-var]
-        for _ in range(expected):
-            result = await next_result(results, deadline - runner.clock())
+    deadline = lease.work.task.deadline
+    async with contextlib.aclosing(lease.work.results) as results:
+        for _ in range(len(lease.devices)):
+            result = await next_result(results, deadline - ctx.clock())
             if result is None:
                 return
-            await out.put((version, result))
+            await out.put(_Arrival(version, result, lease))
 
 
-async def run_buffered(runner: JobRunner) -> None:
-    aggregator = runner._aggregator
-    model = decode_state(
-        await asyncio.to_thread(runner.blobs.get_mapped, runner.job.checkpoint_sha256)
-    )
-    aggregator.begin(runner.job.rounds_committed, model)
-    del model
-    arrivals: asyncio.Queue[Arrival] = asyncio.Queue()
-    readers: set[asyncio.Task[None]] = set()
-    training: set[str] = set()
-    tally = RoundTally()
-    started = runner.clock()
-    try:
-        while runner.job.rounds_committed < runner.job.rounds_total:
-            _top_up(runner, training, readers, arrivals)
-            try:
-                version, result = await asyncio.wait_for(
-                    arrivals.get(), timeout=runner.config.idle_poll_s
-                )
-            except asyncio.TimeoutError:
-                continue
-            if isinstance(result, Delivered):
-                device_id = result.update.device_id
-            else:
-                device_id = result.device_id
-            training.discard(device_id)
-            runner.pool.release(device_id, runner.job.id)
-            staleness = runner.job.rounds_committed - version
-            one = RoundTally()  # this arrival alone, for the scheduler
-            if runner.fold(result, one, staleness=staleness):
-                tally.accepted += one.accepted
-                tally.durations.update(one.durations)
-            else:
-                tally.failures += one.failures
-            outcome = one.outcome(runner.job.id, version + 1, (device_id,))
-            runner.pool.record(outcome)
-            runner.selector.observe(outcome)
-            del result
-            if not aggregator.ready():  # type: ignore[attr-defined]
-                continue
-            try:
-                await runner.commit(runner.job.rounds_committed + 1, started, tally)
-            except UpdateRejected as exc:
-                # FedBuff dropped the buffer and kept the current model: carry on, up to
-                # the engine's limit of refusals in a row.
-                runner.refused(runner.job.rounds_committed + 1, exc)
-            tally = RoundTally()
-            started = runner.clock()
-    finally:
-        for reader in readers:
-            reader.cancel()
-        for reader in list(readers):
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
-        for device_id in training:
-            runner.pool.release(device_id, runner.job.id)
+class BufferedRounds:
+    """FedBuff's mode: needs an aggregator that is :class:`Buffering` and
+    :class:`StalenessWeighted`."""
+
+    async def run(self, ctx: RoundContext) -> None:
+        aggregator = ctx.aggregator
+        if not isinstance(aggregator, Buffering) or not isinstance(aggregator, StalenessWeighted):
+            raise FlotillaError(
+                f"strategy {ctx.spec.aggregation.strategy!r} cannot run buffered rounds"
+            )
+        aggregator.begin(ctx.job.rounds_committed, await ctx.global_model())
+        arrivals: asyncio.Queue[_Arrival] = asyncio.Queue()
+        #: Each dispatch's reader, and its lease.
+        readers: dict[asyncio.Task[None], Lease[Dispatched]] = {}
+        #: Device -> the lease it trains under.
+        training: dict[str, Lease[Dispatched]] = {}
+        tally = RoundTally()
+        started = ctx.clock()
+        try:
+            while ctx.job.rounds_committed < ctx.job.rounds_total:
+                _top_up(ctx, training, readers, arrivals)
+                try:
+                    arrival = await asyncio.wait_for(arrivals.get(), timeout=ctx.config.idle_poll_s)
+                except asyncio.TimeoutError:
+                    continue
+                _take(ctx, arrival, training, tally)
+                del arrival
+                if not aggregator.ready():
+                    continue
+                try:
+                    await ctx.commit(ctx.job.rounds_committed + 1, started, tally)
+                except UpdateRejected as exc:
+                    # FedBuff dropped the buffer and kept the current model: carry on, up
+                    # to the engine's limit of refusals in a row.
+                    ctx.refused(ctx.job.rounds_committed + 1, exc)
+                tally = RoundTally()
+                started = ctx.clock()
+        finally:
+            running = dict(readers)
+            for reader in running:
+                reader.cancel()
+            for reader, lease in running.items():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+                # A reader cancelled before it first ran never closed its stream.
+                await lease.work.results.aclose()
+            _refuse_unread(arrivals)
+            for device_id, lease in training.items():
+                lease.free([device_id])
+
+
+def _refuse_unread(arrivals: asyncio.Queue[_Arrival]) -> None:
+    """Answer the updates read but not folded when the job ended, and let their devices go
+    (their senders would otherwise wait out their verdict timeout)."""
+    while not arrivals.empty():
+        arrival = arrivals.get_nowait()
+        result = arrival.result
+        if isinstance(result, Delivered):
+            result.settle("stale: the job ended before this update was aggregated")
+            arrival.lease.free([result.update.device_id])
+        else:
+            arrival.lease.free([result.device_id])
+
+
+def _take(
+    ctx: RoundContext, arrival: _Arrival, training: dict[str, Lease[Dispatched]], tally: RoundTally
+) -> None:
+    """Free the arrival's device, fold its result and tell the scheduler."""
+    result = arrival.result
+    device_id = result.update.device_id if isinstance(result, Delivered) else result.device_id
+    training.pop(device_id, None)
+    arrival.lease.free([device_id])
+    staleness = ctx.job.rounds_committed - arrival.version
+    one = RoundTally()  # this arrival alone, for the scheduler
+    if ctx.fold(result, one, staleness=staleness):
+        tally.accepted += one.accepted
+        tally.durations.update(one.durations)
+    else:
+        tally.failures += one.failures
+    ctx.observe(one.outcome(ctx.job.id, arrival.version + 1, (device_id,)))
 
 
 def _top_up(
-    runner: JobRunner,
-    training: set[str],
-    readers: set[asyncio.Task[None]],
-    arrivals: asyncio.Queue[Arrival],
+    ctx: RoundContext,
+    training: dict[str, Lease[Dispatched]],
+    readers: dict[asyncio.Task[None], Lease[Dispatched]],
+    arrivals: asyncio.Queue[_Arrival],
 ) -> None:
     """Dispatch the newest model to idle devices until ``clients_per_round`` are training."""
-    job = runner.spec.job
-    free = job.clients_per_round - len(training)
-    arbiter = runner.arbiter
-    assert arbiter is not None
-    idle = arbiter.idle(job.task) if free > 0 else []  # not those granted to other jobs
-    if not idle:
+    free = ctx.spec.job.clients_per_round - len(training)
+    grant = ctx.grant_now(free) if free > 0 else None  # not devices granted to other jobs
+    if grant is None:
         return
-    chosen = runner.selector.select(runner.job.id, idle, free)
-    if not chosen:
+    version = ctx.job.rounds_committed
+    lease = ctx.dispatch(grant, lambda _: ctx.task(version + 1, ctx.clock()))
+    if lease is None:
         return
-    runner.pool.claim(chosen, runner.job.id)
-    training.update(chosen)
-    version = runner.job.rounds_committed
-    task = runner._task(version + 1, runner.clock())
-    results = runner.backend.dispatch(task, chosen)
-    reader = asyncio.ensure_future(
-        _drain(results, version, len(chosen), task.deadline, runner, arrivals)
-    )
-    readers.add(reader)
+    for device_id in lease.devices:
+        training[device_id] = lease
+    reader = asyncio.ensure_future(_drain(lease, version, ctx, arrivals))
+    readers[reader] = lease
 
     def finished(done: asyncio.Task[None]) -> None:
-        readers.discard(done)
+        readers.pop(done, None)
         # Devices of this dispatch that never reported no longer count as training; the
         # gateway frees them when they poll again.
-        training.difference_update(chosen)
+        for device_id in lease.devices:
+            training.pop(device_id, None)
 
     reader.add_done_callback(finished)

@@ -19,17 +19,16 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from flotilla.compression import apply_average
 from flotilla.core.allreduce import GroupPlan
 from flotilla.core.errors import FlotillaError, UpdateRejected
 from flotilla.core.records import ParticipationRecord
-from flotilla.core.tensors import ModelState, decode_state, state_sha256
+from flotilla.core.tensors import ModelState, state_sha256
 from flotilla.engine.backend import Delivered, Failed, Reported, RoundResult, TrainTask
-
-if TYPE_CHECKING:
-    from flotilla.engine.rounds import JobRunner, RoundTally
+from flotilla.engine.context import RoundContext
+from flotilla.engine.services import P2PPeers
+from flotilla.engine.tally import RoundTally, next_result
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +85,6 @@ class Agreement:
         clock: Callable[[], float],
         tally: RoundTally,
     ) -> Agreed | None:
-        from flotilla.engine.rounds import next_result
-
         while (agreed := self.winner()) is None:
             result = await next_result(results, deadline - clock())
             if result is None:
@@ -153,8 +150,10 @@ class Agreement:
         ]
 
 
-def group_plan(runner: JobRunner, peers: tuple[str, ...], selected: Sequence[str]) -> GroupPlan:
-    spec = runner.spec
+def group_plan(
+    ctx: RoundContext, p2p: P2PPeers, peers: tuple[str, ...], selected: Sequence[str]
+) -> GroupPlan:
+    spec = ctx.spec
     quorum = min(spec.job.min_quorum, len(selected))
     return GroupPlan(
         initial_peers=peers,
@@ -162,8 +161,8 @@ def group_plan(runner: JobRunner, peers: tuple[str, ...], selected: Sequence[str
         min_group_size=max(1, quorum),
         matchmaking_s=spec.aggregation.matchmaking_s,
         compression=spec.compression.uplink,
-        server_lr=float(getattr(runner._plan.strategy_params, "server_lr", 1.0)),
-        members=runner.p2p_members(selected) if runner.p2p_members else {},
+        server_lr=float(getattr(ctx.plan.strategy_params, "server_lr", 1.0)),
+        members=p2p.members(selected),
     )
 
 
@@ -175,58 +174,68 @@ def with_plan(task: TrainTask, plan: GroupPlan) -> TrainTask:
     )
 
 
-async def run_p2p_round(runner: JobRunner, round_no: int) -> bool:
-    """One attempt at a server-less round; True when it committed."""
-    from flotilla.engine.rounds import RoundTally
+class P2PRounds:
+    """Server-less rounds: needs a backend with rendezvous peers (``ctx.p2p``)."""
 
-    if runner.rendezvous is None:
-        raise FlotillaError(
-            'aggregation.transport = "p2p" needs a server with hivemind (the p2p extra); '
-            "this backend has no rendezvous peers"
-        )
-    peers = await runner.rendezvous()
-    raw = await asyncio.to_thread(runner.blobs.get_mapped, runner.job.checkpoint_sha256)
-    base = decode_state(raw)
-    grant, rate = await runner._select()
-    selected = grant.claim()  # no await from here to the dispatch (see JobRunner.run_round)
-    if not selected:
-        return False
-    started = runner.clock()
-    plan = group_plan(runner, peers, selected)
-    task = with_plan(runner._task(round_no, started), plan)
-    tally = RoundTally(schedule=grant.metrics())
-    agreement = Agreement(base, plan.min_group_size, set(selected), plan.server_lr)
-    job_id = runner.job.id
-    try:
-        results = runner.backend.dispatch(task, selected)
-        async with contextlib.aclosing(results):  # type: ignore[type-var]
-            agreed = await agreement.collect(results, task.deadline, runner.clock, tally)
-    finally:
-        for device_id in tally.durations.keys() | set(tally.failures):
-            runner.pool.release(device_id, job_id)
-    if agreed is not None:
-        tally.accepted = agreement.participation(agreed, job_id, round_no, runner.clock())
-        tally.metrics.update(_agreement_metrics(agreed, agreement))
-    outcome = tally.outcome(job_id, round_no, selected)
-    runner.pool.record(outcome)
-    runner.selector.observe(outcome)
-    if agreed is None:
-        hashes = {r.model_sha256[:12] for r in agreement.reports.values()}
-        log.warning(
-            "job %s round %d: no quorum of %d agreeing reports (%d reports, models %s); retrying",
-            job_id,
-            round_no,
-            plan.min_group_size,
-            len(agreement.reports),
-            sorted(hashes),
-        )
-        return False
-    try:
-        await runner.commit(round_no, started, tally, rate, agreed.model, agreed.sha256)
-    except UpdateRejected as exc:
-        runner.refused(round_no, exc)
-        return False
-    return True
+    async def run(self, ctx: RoundContext) -> None:
+        p2p = ctx.p2p
+        if p2p is None:
+            raise FlotillaError(
+                'aggregation.transport = "p2p" needs a server with hivemind (the p2p extra); '
+                "this backend has no rendezvous peers"
+            )
+        while ctx.job.rounds_committed < ctx.job.rounds_total:
+            if not await self.run_round(ctx, p2p, ctx.job.rounds_committed + 1):
+                await asyncio.sleep(ctx.config.retry_pause_s)
+
+    async def run_round(self, ctx: RoundContext, p2p: P2PPeers, round_no: int) -> bool:
+        """One attempt at a server-less round; True when it committed."""
+        peers = await p2p.peers()
+        base = await ctx.global_model()
+        grant, rate = await ctx.select()
+        started = ctx.clock()
+        plans: list[GroupPlan] = []
+
+        def make_task(selected: Sequence[str]) -> TrainTask:
+            plans.append(group_plan(ctx, p2p, peers, selected))
+            return with_plan(ctx.task(round_no, started), plans[0])
+
+        lease = ctx.dispatch(grant, make_task)
+        if lease is None:
+            return False
+        plan, selected = plans[0], lease.devices
+        tally = RoundTally(schedule=grant.metrics())
+        agreement = Agreement(base, plan.min_group_size, set(selected), plan.server_lr)
+        job_id = ctx.job.id
+        try:
+            async with contextlib.aclosing(lease.work.results) as results:
+                agreed = await agreement.collect(
+                    results, lease.work.task.deadline, ctx.clock, tally
+                )
+        finally:
+            lease.free(tally.done())
+        if agreed is not None:
+            tally.accepted = agreement.participation(agreed, job_id, round_no, ctx.clock())
+            tally.metrics.update(_agreement_metrics(agreed, agreement))
+        ctx.observe(tally.outcome(job_id, round_no, selected))
+        if agreed is None:
+            hashes = {r.model_sha256[:12] for r in agreement.reports.values()}
+            log.warning(
+                "job %s round %d: no quorum of %d agreeing reports (%d reports, models %s); "
+                "retrying",
+                job_id,
+                round_no,
+                plan.min_group_size,
+                len(agreement.reports),
+                sorted(hashes),
+            )
+            return False
+        try:
+            await ctx.commit(round_no, started, tally, rate, agreed.model, agreed.sha256)
+        except UpdateRejected as exc:
+            ctx.refused(round_no, exc)
+            return False
+        return True
 
 
 def _agreement_metrics(agreed: Agreed, agreement: Agreement) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""What the engine needs from persistence, blob storage and evaluation, as small protocols."""
+"""What the engine needs from persistence, blobs, evaluation and tasks: small protocols."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from flotilla.core.records import JobRecord, RoundCommit
+from flotilla.core.spec import JobSpec
 
 #: Evaluates a global model on held-out data; None when the server cannot run the task.
 Evaluator = Callable[[Mapping[str, np.ndarray]], dict[str, float]]
@@ -34,3 +35,15 @@ class Blobs(Protocol):
     def get_mapped(self, sha256: str) -> memoryview: ...
 
     def path(self, sha256: str) -> Path: ...
+
+
+class TaskRuntime(Protocol):
+    """The server side of a job's task, injected so the engine never imports a task."""
+
+    def initial_model(self, spec: JobSpec) -> bytes:
+        """The round-0 checkpoint, from the job's seed (TaskLoadError: no such task)."""
+        ...
+
+    def evaluator(self, spec: JobSpec) -> Evaluator | None:
+        """Held-out evaluation of the job's models; None when this process cannot run it."""
+        ...

@@ -4,6 +4,8 @@
   the per-job history (``history``) every selector learns from.
 - ``duration``: :class:`DurationModel`, a device's predicted round time for a job.
 - ``arbiter``: :class:`Arbiter`, devices for the jobs that ask at the same moment, jointly.
+- ``leases``: :class:`Leases`, the one owner of occupancy: claim-and-dispatch in one call,
+  every release (backends report them as :class:`DeviceEvents`).
 - ``cost``: :class:`CostModel`, ``alpha * T + beta * F``, and fairness measures.
 - ``selector``: the :class:`Selector` protocol and :class:`RandomSelector`;
   ``heuristics``: FedCS, greedy and Oort; ``registry``: names to selectors.
@@ -21,6 +23,7 @@ from flotilla.scheduling.heuristics import (
     OortSelector,
 )
 from flotilla.scheduling.history import DeviceRecord, FleetHistory, RoundOutcome
+from flotilla.scheduling.leases import DeviceEvents, Lease, Leases
 from flotilla.scheduling.pool import DevicePool, DeviceState, DeviceView
 from flotilla.scheduling.registry import SELECTOR_NAMES, make_selector, selector_params
 from flotilla.scheduling.selector import RandomParams, RandomSelector, Selector
@@ -29,6 +32,7 @@ __all__ = [
     "SELECTOR_NAMES",
     "Arbiter",
     "CostModel",
+    "DeviceEvents",
     "DevicePool",
     "DeviceRecord",
     "DeviceState",
@@ -40,6 +44,8 @@ __all__ = [
     "Grant",
     "GreedyParams",
     "GreedySelector",
+    "Lease",
+    "Leases",
     "OortParams",
     "OortSelector",
     "Prediction",

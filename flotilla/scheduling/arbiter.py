@@ -4,8 +4,9 @@ Without it the job whose loop happens to run first takes every idle device it wa
 second job waits for that round to end, again and again. Here every job that is ready to
 start a round is decided in one pass: oldest request first, each taking at most an equal
 share of the devices still free for its task (but its quorum where there is one), chosen by
-its own selector. Devices handed out are reserved until the job claims them, right before
-it dispatches, so no decision hands one device to two jobs.
+its own selector. Devices handed out are reserved until the job redeems its grant (through
+:class:`~flotilla.scheduling.leases.Leases`, right as it dispatches), so no decision hands
+one device to two jobs.
 """
 
 from __future__ import annotations
@@ -47,13 +48,13 @@ class Grant:
     select_cpu_s: float = 0.0
     _arbiter: Arbiter | None = field(default=None, repr=False)
 
-    def claim(self) -> list[str]:
-        """Mark the devices busy with this job (those still idle): call right before
-        dispatching, with no await in between."""
+    def redeem(self) -> list[str]:
+        """End the reservation once: the devices still reserved for this job (none when the
+        grant was released or redeemed before). Leases claims them in the same step."""
         if self._arbiter is None:
             return []
         arbiter, self._arbiter = self._arbiter, None
-        return arbiter._claim(self)
+        return arbiter.unreserve(self)
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -168,22 +169,32 @@ class Arbiter:
             return True
         return free >= req.min_quorum and now - waiter.since >= self._grace_s
 
-    def _claim(self, grant: Grant) -> list[str]:
+    def unreserve(self, grant: Grant) -> list[str]:
+        """Drop ``grant``'s reservations; returns the devices that were still its own."""
         mine = [d for d in grant.devices if self._reserved.get(d) == grant.job_id]
         for device_id in mine:
             del self._reserved[device_id]
-        claimed = [d for d in mine if self.pool.is_online(d) and self.pool.busy_with(d) is None]
-        self.pool.claim(claimed, grant.job_id)
-        return claimed
+        return mine
 
     def release(self, grant: Grant) -> None:
-        """Give back a grant that will not be claimed (the job stopped)."""
-        if grant._arbiter is None:
-            return
-        grant._arbiter = None
-        for device_id in grant.devices:
-            if self._reserved.get(device_id) == grant.job_id:
-                del self._reserved[device_id]
+        """Give back a grant that will not be redeemed (the job stopped)."""
+        grant.redeem()
+
+    def grant_now(self, job_id: str, task: str, want: int, selector: Selector) -> Grant | None:
+        """Up to ``want`` of the idle devices no job has been granted, chosen by
+        ``selector``, reserved for ``job_id`` at once; None when there are none. For
+        modes that top up devices as they come free instead of waiting for a round."""
+        candidates = self.idle(task) if want > 0 else []
+        if not candidates:
+            return None
+        cpu = time.process_time()
+        chosen = selector.select(job_id, candidates, want)
+        if not chosen:
+            return None
+        for device_id in chosen:
+            self._reserved[device_id] = job_id
+        cpu = time.process_time() - cpu
+        return Grant(job_id, chosen, 0.0, 1, len(candidates), cpu, self)
 
     async def close(self) -> None:
         if self._loop_task is not None:

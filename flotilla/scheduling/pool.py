@@ -67,10 +67,10 @@ class DevicePool:
             state.online = True
 
     def leave(self, device_id: str) -> None:
+        """Mark the device offline; its job lets go through :class:`~.leases.Leases`."""
         state = self._devices.get(device_id)
         if state is not None:
             state.online = False
-            state.busy_with = None
 
     def expire(self, liveness_s: float) -> list[str]:
         """Mark devices silent for longer than ``liveness_s`` offline.
@@ -103,6 +103,7 @@ class DevicePool:
         ]
 
     def claim(self, device_ids: list[str], job_id: str) -> None:
+        """Mark the devices busy with ``job_id``, all or none. Only ``Leases`` calls this."""
         for device_id in device_ids:
             state = self._devices[device_id]
             if state.busy_with is not None or not state.online:
@@ -111,6 +112,7 @@ class DevicePool:
             self._devices[device_id].busy_with = job_id
 
     def release(self, device_id: str, job_id: str) -> None:
+        """Free the device if ``job_id`` holds it. Only ``Leases`` calls this."""
         state = self._devices.get(device_id)
         if state is not None and state.busy_with == job_id:
             state.busy_with = None

@@ -27,6 +27,7 @@ from flotilla.server.grpc.edge import GrpcEdge, GrpcSettings
 from flotilla.server.hosting.rendezvous import Rendezvous
 from flotilla.server.hosting.volunteers import VolunteerHost, VolunteerRunSpec
 from flotilla.server.memory import release_free_memory
+from flotilla.tasks.runtime import LocalTasks
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class FederationServer:
             self.store,
             self.upload_budget,
             Hosted(rendezvous=self.rendezvous, volunteers=self.volunteers),
+            LocalTasks(),
         )
         self._edge = GrpcEdge(self.federation, self.config.grpc())
         self.port = await self._edge.start()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from flotilla.core.tensors import ModelState, TensorSpec, encode_state
 from flotilla.core.update import COMPUTE_METRIC, Update
 from flotilla.engine.backend import Delivered, Failed, RoundResult, TrainTask
 from flotilla.engine.ports import Blobs
-from flotilla.scheduling import DevicePool
+from flotilla.scheduling import DeviceEvents
 from flotilla.simulation.client_state import ClientStateStore
 from flotilla.simulation.fleet import Fleet
 from flotilla.simulation.population import PopulationSection
@@ -133,7 +133,7 @@ class SimBackend:
     def __init__(
         self,
         fleet: Fleet,
-        pool: DevicePool,
+        events: DeviceEvents,
         blobs: Blobs,
         trainers: dict[str, ClientTrainer],
         population: PopulationSection,
@@ -142,7 +142,8 @@ class SimBackend:
     ) -> None:
         self.fleet = fleet
         self.state_dir = state_dir
-        self.pool = pool
+        #: Told when a device is done with its job (the lease owner frees it).
+        self.events = events
         self.blobs = blobs
         self.trainers = trainers
         self.population = population
@@ -155,7 +156,7 @@ class SimBackend:
         #: Devices that dropped out, per (job, round).
         self.dropouts: Counter[tuple[str, int]] = Counter()
 
-    def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> AsyncIterator[RoundResult]:
+    def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> _Stream:
         loop = asyncio.get_running_loop()
         now = loop.time()
         job = self._job(task)
@@ -244,18 +245,18 @@ class SimBackend:
         device_id, job_id = update.device_id, rnd.task.job_id
         rnd.pending.discard(device_id)
         if rnd.closed:
-            self.pool.release(device_id, job_id)  # stale: it is free to serve again
+            self.events.freed(device_id, job_id)  # stale: it is free to serve again
             return
 
         def settle(reason: str | None) -> None:
             # Accepted or refused, the device is done with this round.
-            self.pool.release(device_id, job_id)
+            self.events.freed(device_id, job_id)
 
         rnd.results.put_nowait(Delivered(update, seconds, settle))
 
     def _fail(self, rnd: _Round, device_id: str, reason: str) -> None:
         rnd.pending.discard(device_id)
         self._held.pop(device_id, None)
-        self.pool.release(device_id, rnd.task.job_id)
+        self.events.freed(device_id, rnd.task.job_id)
         if not rnd.closed:
             rnd.results.put_nowait(Failed(device_id, reason))

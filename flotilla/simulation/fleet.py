@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 from flotilla.core.device import DeviceProfile
-from flotilla.scheduling import DevicePool
+from flotilla.scheduling import Leases
 from flotilla.simulation.population import (
     AvailabilitySection,
     VirtualDevice,
@@ -27,10 +27,11 @@ class Fleet:
         tasks: tuple[str, ...],
         availability: AvailabilitySection,
         seed: int,
-        pool: DevicePool,
+        leases: Leases,
     ) -> None:
         self.devices = {d.device_id: d for d in devices}
-        self.pool = pool
+        self.pool = leases.pool
+        self._leases = leases  # a device going offline frees it from its job
         self._profiles = {
             d.device_id: DeviceProfile(
                 d.device_id,
@@ -81,7 +82,7 @@ class Fleet:
         if online:
             self.pool.seen(self._profiles[device_id])
         else:
-            self.pool.leave(device_id)
+            self._leases.left(device_id)
         self._schedule(device_id, changes, origin)
 
     def online_until(self, device_id: str) -> float:

@@ -13,7 +13,6 @@ import dataclasses
 import gc
 import json
 import logging
-import random
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -31,8 +30,15 @@ from flotilla.core.commit_rules import (
 from flotilla.core.errors import ConflictError, FlotillaError, NotFoundError, SpecError
 from flotilla.core.records import JobRecord, RoundCommit
 from flotilla.core.spec import JobSpec
-from flotilla.engine import EngineConfig, JobRunner, initial_model, server_evaluator
-from flotilla.scheduling import Arbiter, DevicePool, make_selector
+from flotilla.engine import (
+    EngineConfig,
+    EngineServices,
+    JobRunner,
+    build_runner,
+    selection_rng,
+    submitted_job,
+)
+from flotilla.scheduling import Arbiter, DevicePool, Leases
 from flotilla.simulation.backend import SimBackend
 from flotilla.simulation.clock import run_simulated
 from flotilla.simulation.experiment import Experiment
@@ -40,6 +46,7 @@ from flotilla.simulation.fleet import Fleet
 from flotilla.simulation.population import draw_devices
 from flotilla.simulation.training import ClientTrainer, ShardCache, make_trainer
 from flotilla.simulation.workers import WorkerPoolTrainer
+from flotilla.tasks.runtime import LocalTasks
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +218,11 @@ async def _simulate(
     pop = experiment.population
     seed = experiment.population_seed
     pool = DevicePool(clock=loop.time)
+    leases = Leases(pool)
     tasks = tuple(sorted({spec.job.task for spec in experiment.jobs}))
-    fleet = Fleet(draw_devices(pop, seed), tasks, pop.availability, seed, pool)
+    fleet = Fleet(draw_devices(pop, seed), tasks, pop.availability, seed, leases)
     blobs = BlobStore(scratch / "blobs")
-    backend = SimBackend(fleet, pool, blobs, trainers, pop, experiment.seed, scratch / "clients")
+    backend = SimBackend(fleet, leases, blobs, trainers, pop, experiment.seed, scratch / "clients")
     bar = _progress_bar(sum(s.job.rounds for s in experiment.jobs), progress)
     with (
         (out_dir / "metrics.jsonl").open("w") as out,
@@ -223,8 +231,9 @@ async def _simulate(
         run_log = RunLog(out, participation, backend.dropouts, wall_start, bar)
         ledger = SimLedger([run_log])
         arbiter = Arbiter(pool, loop.time, SIM_ENGINE.selection_grace_s, SIM_ENGINE.idle_poll_s)
+        services = EngineServices(backend, leases, arbiter, ledger, blobs, loop.time, SIM_ENGINE)
         runners = [
-            _runner(i, spec, backend, arbiter, ledger, blobs, scratch, experiment.seed, loop.time)
+            _runner(i, spec, services, ledger, scratch, experiment.seed)
             for i, spec in enumerate(experiment.jobs)
         ]
         fleet.start()
@@ -341,39 +350,19 @@ def _describe(trainer: ClientTrainer) -> str:
 def _runner(
     index: int,
     spec: JobSpec,
-    backend: SimBackend,
-    arbiter: Arbiter,
+    services: EngineServices,
     ledger: SimLedger,
-    blobs: BlobStore,
     scratch: Path,
     seed: int,
-    clock: Any,
 ) -> JobRunner:
-    sha = blobs.put(initial_model(spec))
-    job = JobRecord.submitted(
-        f"job-{index}", spec.job.name, spec.to_json(), spec.job.rounds, sha, clock()
-    )
+    """The job's runner, built as the server builds it (selection from the experiment's
+    seed and the job's index)."""
+    tasks = LocalTasks()
+    job, _ = submitted_job(f"job-{index}", spec, services.blobs, tasks, services.clock())
     ledger.add(job)
-    return JobRunner(
-        job=job,
-        spec=spec,
-        backend=backend,
-        pool=arbiter.pool,
-        selector=make_selector(
-            spec.scheduling,
-            arbiter.pool,
-            random.Random(seed * 1_000_003 + index),
-            spec.job.round_deadline_s,
-            spec.job.rounds,
-        ),
-        ledger=ledger,
-        blobs=blobs,
-        evaluator=server_evaluator(spec),
-        clock=clock,
-        config=SIM_ENGINE,
-        spool_dir=scratch / "spool" / job.id,
-        arbiter=arbiter,
-    )
+    rng = selection_rng(seed, index)
+    spool = scratch / "spool" / job.id
+    return build_runner(job, spec, services, rng, tasks.evaluator(spec), spool)
 
 
 def format_duration(seconds: float) -> str:

@@ -21,14 +21,14 @@ from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError
 from flotilla.core.records import DeviceRecord, JobRecord
 from flotilla.core.timeouts import Timeouts
-from flotilla.engine import EngineConfig
+from flotilla.engine import EngineConfig, EngineServices, TaskRuntime
 from flotilla.engine.backend import Reported, TrainTask
-from flotilla.scheduling import Arbiter, DevicePool
+from flotilla.scheduling import Arbiter, DevicePool, Leases
 from flotilla.server.federation import auth
 from flotilla.server.federation.budget import ByteBudget
 from flotilla.server.federation.devices import Devices
 from flotilla.server.federation.gateway import Gateway
-from flotilla.server.federation.jobs import Jobs, JobsConfig
+from flotilla.server.federation.jobs import Jobs
 from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.store import Store
 from flotilla.server.federation.uploads import Uploads
@@ -66,13 +66,15 @@ class Federation:
         store: Store,
         upload_budget: ByteBudget,
         hosted: Hosted,
+        tasks: TaskRuntime,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
         self._store = store
         self._blobs = BlobStore(config.state_dir / "blobs")
         self._pool = DevicePool(clock=clock)
-        self._gateway = Gateway(self._pool, clock)
+        self._leases = Leases(self._pool)
+        self._gateway = Gateway(self._pool, clock, self._leases)
         engine = config.engine
         self._arbiter = Arbiter(self._pool, clock, engine.selection_grace_s, engine.idle_poll_s)
         self._hosted = hosted
@@ -80,15 +82,17 @@ class Federation:
         self._uploads = Uploads(
             self._gateway, self._pool, upload_budget, config.timeouts.upload_idle, clock
         )
-        self._jobs = Jobs(
-            JobsConfig(engine, config.state_dir),
-            store,
-            self._blobs,
-            self._pool,
-            self._gateway,
-            self._arbiter,
-            hosted.rendezvous,
+        services = EngineServices(
+            backend=self._gateway,
+            leases=self._leases,
+            arbiter=self._arbiter,
+            ledger=store,
+            blobs=self._blobs,
+            clock=clock,
+            config=engine,
+            p2p=hosted.rendezvous,
         )
+        self._jobs = Jobs(services, store, tasks, config.state_dir)
         self._download_slots = asyncio.Semaphore(config.download_slots)
 
     async def start(self) -> None:
@@ -162,8 +166,7 @@ class Federation:
         return await self._uploads.report(device.id, ref, report, hold)
 
     def leave(self, device: DeviceRecord, reason: str) -> None:
-        self._gateway.fail(device.id, f"left: {reason or 'no reason given'}")
-        self._pool.leave(device.id)
+        self._gateway.leave(device.id, reason or "no reason given")
         log.info("device %s left (%s)", device.id, reason)
 
     # --- an operator's side --------------------------------------------------------------

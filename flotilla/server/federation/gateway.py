@@ -1,7 +1,9 @@
 """The real-device Backend: rounds offered to polling agents, their uploads streamed back.
 
 The gRPC handlers and the round engine meet here. A round is open from ``dispatch`` until
-the engine closes its result stream; an update that arrives after that is stale.
+the engine closes its result stream; an update that arrives after that is stale. The
+gateway never frees a device itself: it reports each device that owes a job nothing more
+to ``events`` (the lease owner, :class:`~flotilla.scheduling.Leases`).
 """
 
 from __future__ import annotations
@@ -9,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from flotilla.core.errors import StaleRoundError, UpdateRejected, WireError
 from flotilla.core.update import Update
 from flotilla.engine.backend import Delivered, Failed, Reported, RoundResult, TrainTask
-from flotilla.scheduling import DevicePool
+from flotilla.scheduling import DeviceEvents, DevicePool
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ class RoundStream:
 
     async def __anext__(self) -> RoundResult:
         rnd = self._rnd
-        if rnd.task.round_token in self._gateway._rounds and (
+        if self._gateway.round_open(rnd.task.round_token) and (
             rnd.pending or not rnd.results.empty()
         ):
             return await rnd.results.get()
@@ -68,20 +70,22 @@ class RoundStream:
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
-        self._gateway._close(self._rnd)
+        self._gateway.close_round(self._rnd)
 
 
 @dataclass(slots=True)
 class Gateway:
     """Mailboxes for polling agents and the open rounds their uploads belong to."""
 
+    #: Read here (who is online, who serves which job); written only through ``events``.
     pool: DevicePool
     clock: Callable[[], float]
+    events: DeviceEvents
     _rounds: dict[str, OpenRound] = field(default_factory=dict)
     _offers: dict[str, TrainTask] = field(default_factory=dict)
     _wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
 
-    def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> AsyncIterator[RoundResult]:
+    def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> RoundStream:
         """Offer the task now (so the devices stay claimed); results stream until closed."""
         rnd = OpenRound(task, self.clock(), set(device_ids))
         self._rounds[task.round_token] = rnd
@@ -90,7 +94,8 @@ class Gateway:
             self._wakeup(device_id).set()
         return RoundStream(self, rnd)
 
-    def _close(self, rnd: OpenRound) -> None:
+    def close_round(self, rnd: OpenRound) -> None:
+        """The engine is done with ``rnd``: later updates are stale, unread ones refused."""
         if self._rounds.get(rnd.task.round_token) is not rnd:
             return
         del self._rounds[rnd.task.round_token]
@@ -104,7 +109,7 @@ class Gateway:
             if offer is not None and offer.round_token == rnd.task.round_token:
                 # Never picked up: the device did no work and is free at once.
                 del self._offers[device_id]
-                self.pool.release(device_id, rnd.task.job_id)
+                self.events.freed(device_id, rnd.task.job_id)
             # Otherwise it is still training: it stays busy until it polls or submits.
 
     def _wakeup(self, device_id: str) -> asyncio.Event:
@@ -123,7 +128,7 @@ class Gateway:
                 return None
             offer = self._offers.pop(device_id, None)
         if offer is not None and offer.round_token not in self._rounds:
-            self.pool.release(device_id, offer.job_id)
+            self.events.freed(device_id, offer.job_id)
             return None
         return offer
 
@@ -134,9 +139,12 @@ class Gateway:
             if device_id in rnd.pending and took_task:
                 rnd.pending.discard(device_id)
                 rnd.results.put_nowait(Failed(device_id, "agent abandoned the task"))
+        self._free_unless_owed(device_id)
+
+    def _free_unless_owed(self, device_id: str) -> None:
         busy = self.pool.busy_with(device_id)
         if busy is not None and not self._owes(device_id):
-            self.pool.release(device_id, busy)
+            self.events.freed(device_id, busy)
 
     def _owes(self, device_id: str) -> bool:
         return any(device_id in r.pending or device_id in r.awaiting for r in self._rounds.values())
@@ -163,9 +171,7 @@ class Gateway:
             or rnd.task.round != round_no
             or device_id not in rnd.pending
         ):
-            busy = self.pool.busy_with(device_id)
-            if busy is not None and not self._owes(device_id):
-                self.pool.release(device_id, busy)
+            self._free_unless_owed(device_id)
             raise StaleRoundError(
                 f"stale round: round {round_no} of job {job_id} is not open for this device"
             )
@@ -271,9 +277,14 @@ class Gateway:
                 rnd.results.put_nowait(Failed(device_id, reason))
                 # Nothing of it waits to be folded, so it is free now. (A silent device
                 # whose update is already queued stays its job's until that job lets go.)
-                self.pool.release(device_id, rnd.task.job_id)
+                self.events.freed(device_id, rnd.task.job_id)
                 rnd.announce()  # it may have been asked to upload a model
         self._offers.pop(device_id, None)
+
+    def leave(self, device_id: str, reason: str) -> None:
+        """The device signed off: it fails what it owes and goes offline, free of any job."""
+        self.fail(device_id, f"left: {reason}")
+        self.events.left(device_id)
 
     def reap(self, liveness_s: float) -> list[str]:
         gone = self.pool.expire(liveness_s)

@@ -1,0 +1,78 @@
+"""Synchronous rounds: select, dispatch, collect until enough updates or the deadline,
+then commit the aggregate as the job's next round (or roll it back and retry)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from flotilla.core.errors import UpdateRejected
+from flotilla.engine.backend import ResultStream, TrainTask
+from flotilla.engine.context import RoundContext
+from flotilla.engine.tally import RoundTally, next_result
+
+log = logging.getLogger(__name__)
+
+
+class SyncRounds:
+    """The default mode: one round at a time, each selected, collected and committed whole."""
+
+    async def run(self, ctx: RoundContext) -> None:
+        while ctx.job.rounds_committed < ctx.job.rounds_total:
+            if not await self.run_round(ctx, ctx.job.rounds_committed + 1):
+                await asyncio.sleep(ctx.config.retry_pause_s)
+
+    async def run_round(self, ctx: RoundContext, round_no: int) -> bool:
+        """One attempt at a round; True when it committed."""
+        global_state = await ctx.global_model()
+        grant, rate = await ctx.select()
+        started = ctx.clock()
+        lease = ctx.dispatch(grant, lambda _: ctx.task(round_no, started))
+        if lease is None:  # every granted device went away meanwhile
+            return False
+        aggregator = ctx.aggregator
+        aggregator.begin(round_no, global_state)
+        del global_state
+        tally = RoundTally(schedule=grant.metrics())
+        try:
+            async with contextlib.aclosing(lease.work.results) as results:
+                await _collect(ctx, results, lease.work.task, tally)
+        finally:
+            lease.free(tally.done())
+        ctx.observe(tally.outcome(ctx.job.id, round_no, lease.devices))
+        quorum = min(ctx.spec.job.min_quorum, len(lease.devices))
+        if aggregator.count < quorum:
+            log.warning(
+                "job %s round %d: %d updates, below quorum %d; retrying",
+                ctx.job.id,
+                round_no,
+                aggregator.count,
+                ctx.spec.job.min_quorum,
+            )
+            await ctx.rollback()
+            return False
+        try:
+            await ctx.commit(round_no, started, tally, rate)
+        except UpdateRejected as exc:
+            await ctx.rollback()
+            ctx.refused(round_no, exc)
+            return False
+        except BaseException:
+            await ctx.rollback()
+            raise
+        return True
+
+
+async def _collect(
+    ctx: RoundContext, results: ResultStream, task: TrainTask, tally: RoundTally
+) -> None:
+    want = ctx.spec.job.clients_per_round
+    aggregator = ctx.aggregator
+    while aggregator.count < want:
+        result = await next_result(results, task.deadline - ctx.clock())
+        if result is None:
+            return
+        ctx.fold(result, tally)
+        del result  # do not hold a model-sized update while waiting for the next one
+        await asyncio.sleep(0)  # let other jobs' handlers run between large folds
