@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import create_engine
+from sqlalchemy.engine import Connection
 
 from flotilla.server.federation.schema import Base
 
 
-def _run(connection: object) -> None:
-    context.configure(connection=connection, target_metadata=Base.metadata)  # type: ignore[arg-type]
+def _run(connection: Connection) -> None:
+    context.configure(connection=connection, target_metadata=Base.metadata)
     with context.begin_transaction():
         context.run_migrations()
 
