@@ -14,13 +14,14 @@ import pytest
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError, WireError
 from flotilla.core.timeouts import Timeouts
+from flotilla.core.work import RoundRef, UploadHeader
 from flotilla.engine import EngineConfig
 from flotilla.server.federation import auth
 from flotilla.server.federation.budget import ByteBudget
 from flotilla.server.federation.facade import Federation, FederationConfig
 from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.store import Store, default_url
-from flotilla.server.federation.views import RoundRef, UploadHeader, VolunteerRunInfo
+from flotilla.server.federation.views import VolunteerRunInfo
 from flotilla.tasks.runtime import LocalTasks
 
 pytestmark = pytest.mark.timeout(60)
@@ -83,10 +84,10 @@ async def test_a_device_enrols_authenticates_polls_and_is_listed_with_its_profil
         await federation.enrol("wrong", DeviceProfile(""))
     profile = DeviceProfile("", tasks=(DIGITS,), gflops=12.5, upload_bytes_per_s=3e6)
     enrolment = await federation.enrol(await _enrol_token(store), profile)
-    for device_id, secret in [(enrolment.device_id, "wrong"), (None, enrolment.credential)]:
+    for device_id, secret in [(enrolment.device_id, "wrong"), (None, enrolment.secret)]:
         with pytest.raises(AuthError):
             await federation.authenticate_device(device_id, secret)
-    device = await federation.authenticate_device(enrolment.device_id, enrolment.credential)
+    device = await federation.authenticate_device(enrolment.device_id, enrolment.secret)
 
     (offline,) = await federation.list_devices()
     assert (offline.state, offline.gflops, offline.last_seen) == ("offline", 12.5, 0.0)
@@ -110,7 +111,7 @@ async def test_uploads_and_downloads_outside_an_open_round_are_stale(
 ) -> None:
     federation, store, _ = core
     enrolment = await federation.enrol(await _enrol_token(store), DeviceProfile(""))
-    device = await federation.authenticate_device(enrolment.device_id, enrolment.credential)
+    device = await federation.authenticate_device(enrolment.device_id, enrolment.secret)
     ref = RoundRef("job-x", 1, "token")
     with pytest.raises(StaleRoundError):
         await federation.reserve_upload(device, ref, 10)

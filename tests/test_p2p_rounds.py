@@ -31,7 +31,7 @@ from flotilla.engine.p2p_round import Agreement
 from flotilla.engine.tally import RoundTally
 from flotilla.scheduling import DevicePool, Leases
 from flotilla.server.federation.gateway import Gateway
-from tests.conftest import AgentFleet, ServerProcess
+from tests.support.processes import AgentFleet, ServerProcess
 
 TASK = "pkg.mod:Task"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits.toml"

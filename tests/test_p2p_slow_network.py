@@ -1,5 +1,5 @@
 """Volunteer peers across a slow, lossy network: hosts in network namespaces joined by a link
-with 100 ms of delay each way, 1 % loss and a 20 Mbit/s cap (tests/netimpair.py, since this
+with 100 ms of delay each way, 1 % loss and a 20 Mbit/s cap (tests/support/netimpair.py, since this
 kernel has no sch_netem)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from flotilla.tasks.charlm import CharLMTask
-from tests.netimpair import Network, impaired_network
+from tests.support.netimpair import Network, impaired_network
 
 TASK = "flotilla.tasks.charlm:CharLMTask"
-PEER = Path(__file__).parent / "peers" / "allreduce_peer.py"
+PEER = Path(__file__).parent / "support" / "peers" / "allreduce_peer.py"
 SLOW = {"delay_ms": 100.0, "loss": 0.01, "rate_mbit": 20.0}
 BOOTSTRAP = (
     "import sys, time\n"

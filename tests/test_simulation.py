@@ -29,56 +29,12 @@ from flotilla.simulation import (
     run_simulated,
     sessions,
 )
+from tests.support.experiments import experiment_file, rows
 from tests.support.lifetime import die_with_test
 
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def experiment_file(tmp_path: Path, body: str = "", *, name: str = "exp.toml") -> Path:
-    """A small digits experiment: 60 augmented clients, 10 per round, a few rounds."""
-    text = f"""
-[job]
-name = "small"
-rounds = 4
-clients_per_round = 10
-over_selection = 1.2
-min_quorum = 5
-round_deadline_s = 120.0
-
-[train]
-local_epochs = 1
-batch_size = 16
-
-[data]
-alpha = 0.5
-params = {{ augment = true, min_samples = 20, max_samples = 40 }}
-
-[population]
-clients = 60
-dropout = 0.1
-
-[[population.classes]]
-name = "phone"
-share = 0.7
-speed_median = 0.5
-upload_mbps = 5.0
-
-[[population.classes]]
-name = "server"
-share = 0.3
-speed_median = 10.0
-upload_mbps = 200.0
-{body}
-"""
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def rows(out: Path, name: str = "metrics.jsonl") -> list[dict]:
-    return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
 def without_wall(items: list[dict]) -> list[dict]:
@@ -597,7 +553,7 @@ def test_one_experiment_file_trains_in_simulation_and_on_real_agents(
     sqlite_server: object, tmp_path: Path
 ) -> None:
     """The same job spec, unchanged: 8 virtual clients, then 8 real agent processes."""
-    from tests.conftest import AgentFleet, ServerProcess
+    from tests.support.processes import AgentFleet, ServerProcess
 
     assert isinstance(sqlite_server, ServerProcess)
     path = tmp_path / "both.toml"

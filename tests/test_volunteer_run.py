@@ -220,13 +220,13 @@ def test_a_volunteer_refuses_a_run_of_another_task_or_coordinator(
 
 @pytest.mark.timeout(300)
 def test_a_federation_server_coordinates_a_volunteer_run_and_lists_it(
-    peers: Peers, tmp_path: Path, db_url: str | None, monkeypatch: pytest.MonkeyPatch
+    peers: Peers, tmp_path: Path, process_db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.conftest import ServerProcess
+    from tests.support.processes import ServerProcess
 
     monkeypatch.setenv("FLOTILLA_CACHE_DIR", peers.env["FLOTILLA_CACHE_DIR"])
     server = ServerProcess(
-        tmp_path / "state", db_url, extra=("--liveness", "6", "--p2p", f"lm={TASK}")
+        tmp_path / "state", process_db_url, extra=("--liveness", "6", "--p2p", f"lm={TASK}")
     )
     server.start(timeout=90)
     try:

@@ -21,11 +21,11 @@ from flotilla.core.blobs import BlobAssembler
 from flotilla.core.errors import StaleRoundError, UpdateRejected, WireError
 from flotilla.core.tensors import ModelState, TensorSpec, check_finite, decode_state, read_metadata
 from flotilla.core.update import Update
+from flotilla.core.work import ReportVerdict, Reservation, RoundRef, UploadHeader
 from flotilla.engine.backend import Reported, TrainTask
 from flotilla.scheduling import DevicePool
 from flotilla.server.federation.budget import ByteBudget
 from flotilla.server.federation.gateway import Gateway, OpenRound
-from flotilla.server.federation.views import ReportVerdict, Reservation, RoundRef, UploadHeader
 
 #: Room for a safetensors header beyond the raw tensor bytes of an update.
 HEADER_SLACK = 1024 * 1024

@@ -10,17 +10,12 @@ from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import WireError
 from flotilla.core.records import JobRecord, RoundRecord
 from flotilla.core.spec import JobSpec
+from flotilla.core.work import RoundRef, UploadHeader
 from flotilla.engine.backend import Reported, TrainTask
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto.bulk import UpdatePart, blob_chunk
 from flotilla.server.federation import auth
-from flotilla.server.federation.views import (
-    BlobSlice,
-    DeviceInfo,
-    RoundRef,
-    UploadHeader,
-    VolunteerRunInfo,
-)
+from flotilla.server.federation.views import BlobSlice, DeviceInfo, VolunteerRunInfo
 
 DEVICE_HEADER = "x-flotilla-device"
 
