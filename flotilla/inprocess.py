@@ -59,10 +59,11 @@ R = TypeVar("R")
 
 #: Bytes a speed test may send, as the gRPC edge's default allows.
 SPEED_TEST_MAX_BYTES = 16 * 1024 * 1024
-#: Errors the agent acts on by their class: passed through as the core raised them.
-_AS_IS = (AuthError, NotFoundError, UpdateRejected, Unreachable)
-#: Malformed requests: the agent treats them as refused updates (gRPC: INVALID_ARGUMENT).
-_REFUSED = (WireError, SpecError)
+#: Errors the agent acts on by their class, whenever raised: passed through as they are.
+_AS_IS = (AuthError, NotFoundError, Unreachable)
+#: Malformed or unacceptable requests (gRPC: INVALID_ARGUMENT): the agent hears a refused
+#: update (a stale round, an UpdateRejected too, is FAILED_PRECONDITION instead).
+_REFUSED = (WireError, SpecError, UpdateRejected)
 
 
 class InProcessTransport:
@@ -150,11 +151,12 @@ def agent_error(exc: FlotillaError, enrolling: bool = False) -> FlotillaError:
     """``exc`` as the agent hears it over gRPC (see the module docstring)."""
     if isinstance(exc, _AS_IS):
         return exc
-    if isinstance(exc, _REFUSED):
-        return UpdateRejected(str(exc))
+    if isinstance(exc, _REFUSED) and not isinstance(exc, StaleRoundError):
+        return exc if isinstance(exc, UpdateRejected) else UpdateRejected(str(exc))
+    # FAILED_PRECONDITION: at enrolment a refusal; after it, the round is no longer this one.
     if enrolling:
-        return exc
-    return StaleRoundError(str(exc))
+        return FlotillaError(str(exc))
+    return exc if isinstance(exc, StaleRoundError) else StaleRoundError(str(exc))
 
 
 def work_order(task: TrainTask) -> WorkOrder:

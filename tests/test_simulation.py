@@ -30,6 +30,7 @@ from flotilla.simulation import (
     sessions,
 )
 from tests.support.experiments import experiment_file, rows
+from tests.support.inproc import InProcessFederation
 from tests.support.lifetime import die_with_test
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -549,29 +550,23 @@ def test_ray_workers_listen_on_loopback_only_and_train_like_local_ones(tmp_path:
     assert report["max_diff"] < 1e-5
 
 
-def test_one_experiment_file_trains_in_simulation_and_on_real_agents(
-    sqlite_server: object, tmp_path: Path
+async def test_one_experiment_file_trains_in_simulation_and_on_real_agents(
+    in_process: InProcessFederation, tmp_path: Path
 ) -> None:
-    """The same job spec, unchanged: 8 virtual clients, then 8 real agent processes."""
-    from tests.support.processes import AgentFleet, ServerProcess
-
-    assert isinstance(sqlite_server, ServerProcess)
+    """The same job spec, unchanged: 8 virtual clients, then 8 real agents (the server core
+    and ``flotilla.client.Agent`` s in this process)."""
     path = tmp_path / "both.toml"
     path.write_text(
         (ROOT / "examples" / "digits.toml").read_text()
         + "\n[population]\nclients = 8\n\n[simulation]\nseed = 3\n"
     )
     experiment = load_experiment(path, ["job.rounds=20", "job.clients_per_round=4"])
-    summary = run_experiment(experiment, tmp_path / "sim", progress=False)
+    summary = await asyncio.to_thread(run_experiment, experiment, tmp_path / "sim", progress=False)
     assert summary["final_metrics"]["accuracy"] >= 0.90, summary
 
-    agents = AgentFleet(sqlite_server, sqlite_server.token(), tmp_path)
-    try:
-        agents.start(8)
-        job_id = sqlite_server.submit(path, "job.rounds=20", "job.clients_per_round=4")
-        status = sqlite_server.wait_for(job_id, timeout=400)
-    finally:
-        agents.stop()
+    await in_process.start_agents(8)
+    job_id = await in_process.submit(path, "job.rounds=20", "job.clients_per_round=4")
+    status = await in_process.wait_for(job_id, timeout=400)
     assert status["state"] == "completed", status
     assert status["metrics"]["accuracy"] >= 0.90, status
 

@@ -21,7 +21,7 @@ from tests.support.databases import database_url, deployment_database
 from tests.support.inproc import in_process_federation
 
 #: The module's jobs share one fleet and run once, for every test.
-pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+pytestmark = pytest.mark.timeout(900)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"
 #: Parameters of the digits MLP (64-256-128-10), float32 on the wire.
