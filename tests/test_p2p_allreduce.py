@@ -59,6 +59,7 @@ class Peer:
         self.proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_survivors_never_keep_a_partial_average() -> None:
     rng = random.Random(7)

@@ -316,6 +316,7 @@ def _wait_for_line(path: Path, pattern: str, timeout: float) -> None:
     raise AssertionError(f"{path.name} never logged {pattern!r}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_p2p_digits_job_commits_the_models_agents_agreed_on_despite_a_kill(
     server: ServerProcess, fleet: AgentFleet, digits_spec: Path, tmp_path: Path

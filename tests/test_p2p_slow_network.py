@@ -46,6 +46,7 @@ def _maddr(net: Network, host: int) -> list[str]:
     return ["--host-maddrs", f"/ip4/{net.ip(host)}/tcp/0"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_volunteers_complete_epochs_across_a_slow_lossy_link(
     env: dict[str, str], tmp_path: Path
@@ -151,6 +152,7 @@ def _allreduce(net: Network, env: dict[str, str], compression: str, trial: int) 
     return max(float(r["allreduce_seconds"]) for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_int8_shortens_averaging_over_a_slow_link(env: dict[str, str]) -> None:
     with impaired_network(3, **SLOW) as net:

@@ -571,6 +571,7 @@ async def test_one_experiment_file_trains_in_simulation_and_on_real_agents(
     assert status["metrics"]["accuracy"] >= 0.90, status
 
 
+@pytest.mark.slow
 def test_the_example_experiment_reaches_ninety_percent(tmp_path: Path) -> None:
     """`flotilla simulate examples/digits-sim.toml`: 1,000 clients, 100 a round, 30 rounds,
     20% mid-round dropout."""
@@ -630,6 +631,7 @@ def test_task_parameters_send_batched_training_to_the_task_s_own_loop() -> None:
     assert batched._loop is not None, "the loop ran, not the vectorized recipe"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["unrelated", "related"])
 def test_the_scheduling_study_runs_its_three_jobs(scenario: str, tmp_path: Path) -> None:
     """The study's scenario files as benchmarks/scheduling.py runs them (fewer rounds and

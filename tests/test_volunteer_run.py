@@ -135,6 +135,7 @@ def _peer_id(peers: Peers, name: str) -> str:
     raise AssertionError(f"{name} has not joined: {peers.log(name)[-2000:]}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_four_volunteers_train_survive_kills_catch_up_late_and_resume_after_all_left(
     peers: Peers, tmp_path: Path
