@@ -160,6 +160,7 @@ async def test_learned_selectors_share_real_agents_decided_jointly(
 ROUNDS = 30
 
 
+@pytest.mark.slow
 def test_kill_9_mid_round_then_restart_resumes(
     server: ServerProcess, fleet: AgentFleet, digits_spec: Path
 ) -> None:
@@ -223,6 +224,7 @@ def scheduler_state(server: ServerProcess, job_id: str) -> dict:
     return json.loads((server.state_dir / "blobs" / sha[:2] / sha).read_text())
 
 
+@pytest.mark.slow
 def test_agent_killed_mid_upload_leaves_nothing(
     server: ServerProcess, fleet: AgentFleet, digits_spec: Path
 ) -> None:

@@ -197,6 +197,7 @@ def test_group_members_end_with_identical_bits_under_int8() -> None:
     assert names == ["dev-0", "dev-1", "dev-2"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_peer_the_server_did_not_name_cannot_join_the_group(tmp_path: Path) -> None:
     """The plan names each selected device's peer id; a peer holding the group key but not

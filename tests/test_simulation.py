@@ -528,6 +528,7 @@ print(json.dumps({"listeners": listeners, "max_diff": diff, "count": len(remote)
 """
 
 
+@pytest.mark.slow
 def test_ray_workers_listen_on_loopback_only_and_train_like_local_ones(tmp_path: Path) -> None:
     script = tmp_path / "ray_check.py"
     script.write_text(RAY_CHECK)

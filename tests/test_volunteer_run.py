@@ -219,6 +219,7 @@ def test_a_volunteer_refuses_a_run_of_another_task_or_coordinator(
     assert "not the coordinator key" in peers.log("pinned")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_federation_server_coordinates_a_volunteer_run_and_lists_it(
     peers: Peers, tmp_path: Path, process_db_url: str, monkeypatch: pytest.MonkeyPatch

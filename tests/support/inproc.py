@@ -132,7 +132,8 @@ class InProcessFederation:
         last: list[str] = [""]
 
         async def done() -> bool:
-            last[0] = (await self.store.get_job(job_id)).state  # type: ignore[union-attr]
+            job = await self.store.get_job(job_id)
+            last[0] = job.state if job is not None else "unknown"
             return last[0] in ended
 
         if not await poll_until(done, timeout):
