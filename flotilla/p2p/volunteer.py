@@ -29,7 +29,7 @@ from flotilla.tasks.base import Shard, load_task
 
 log = logging.getLogger(__name__)
 #: Seconds between a volunteer's metric reports.
-REPORT_EVERY_S = 2.0
+METRICS_EVERY_S = 2.0
 #: Per-epoch losses a report carries (the coordinator merges them into the history).
 EPOCHS_REPORTED = 16
 
@@ -171,7 +171,7 @@ def _train(
         report.steps += 1
         report.samples += len(y)
         now = time.monotonic()
-        if now - last_report >= REPORT_EVERY_S:
+        if now - last_report >= METRICS_EVERY_S:
             rate = (report.samples - samples_at_start) / max(now - started, 1e-6)
             started, samples_at_start = now, report.samples
             report.epoch_losses = {e: s / n for e, (s, n) in sums.items() if n}
@@ -193,7 +193,7 @@ def _assist(
         ):
             break
         opt.step()
-        if time.monotonic() - last_report >= REPORT_EVERY_S:
+        if time.monotonic() - last_report >= METRICS_EVERY_S:
             _report(dht, options.run, report, opt.local_epoch, 0.0, auxiliary=True)
             last_report = time.monotonic()
         stop.wait(0.2)

@@ -20,6 +20,7 @@ from flotilla.compression import Codec, NoneCodec, decode_state_with, max_payloa
 from flotilla.core.blobs import BlobAssembler
 from flotilla.core.errors import StaleRoundError, UpdateRejected, WireError
 from flotilla.core.tensors import ModelState, TensorSpec, check_finite, decode_state, read_metadata
+from flotilla.core.timeouts import Timeouts
 from flotilla.core.update import Update
 from flotilla.engine.backend import Reported, TrainTask
 from flotilla.scheduling import DevicePool
@@ -29,8 +30,6 @@ from flotilla.server.federation.views import ReportVerdict, Reservation, RoundRe
 
 #: Room for a safetensors header beyond the raw tensor bytes of an update.
 HEADER_SLACK = 1024 * 1024
-#: Seconds past a round's deadline that an upload already under way may still finish in.
-UPLOAD_GRACE_S = 5.0
 #: Most members a server-less round's report may name.
 MAX_GROUP = 4096
 #: Header codec names that mean plain safetensors of the delta.
@@ -157,16 +156,19 @@ class Uploads:
         gateway: Gateway,
         pool: DevicePool,
         budget: ByteBudget,
-        idle_s: float,
+        timeouts: Timeouts,
         clock: Callable[[], float],
     ) -> None:
+        """``timeouts.upload_idle_s`` drops a stalled upload (and bounds a reservation);
+        ``timeouts.upload_grace_s`` lets one under way finish past its round's deadline."""
         self._gateway = gateway
         self._pool = pool
         self._budget = budget
-        self._idle_s = idle_s
+        self._idle_s = timeouts.upload_idle_s
+        self._grace_s = timeouts.upload_grace_s
         self._clock = clock
         self._locks = KeyedLock()
-        self._reservations = Reservations(budget, idle_s)
+        self._reservations = Reservations(budget, self._idle_s)
 
     async def reserve(self, device_id: str, ref: RoundRef, size: int) -> Reservation:
         """Room for an upload of ``size`` bytes, waited for until the round's deadline."""
@@ -287,4 +289,4 @@ class Uploads:
 
     def _time_left(self, deadline: float) -> float:
         """Seconds an upload may still take: to the round's deadline, plus a little grace."""
-        return max(1.0, deadline - self._clock() + UPLOAD_GRACE_S)
+        return max(1.0, deadline - self._clock() + self._grace_s)
