@@ -17,7 +17,7 @@ import numpy as np
 from flotilla.core.device import DeviceProfile
 from flotilla.scheduling.cost import CostModel
 from flotilla.scheduling.duration import DurationModel
-from flotilla.scheduling.history import DeviceRecord, RoundOutcome
+from flotilla.scheduling.history import DeviceHistory, RoundOutcome
 from flotilla.scheduling.selector import Stateless
 
 
@@ -167,7 +167,7 @@ class OortSelector(Stateless):
 
     def _exploit(
         self,
-        recs: list[DeviceRecord | None],
+        recs: list[DeviceHistory | None],
         seconds: np.ndarray,
         explored: np.ndarray,
         want: int,
@@ -197,12 +197,12 @@ class OortSelector(Stateless):
         """Learning lives in the duration model's history."""
 
 
-def _loss_utility(rec: DeviceRecord | None) -> float:
+def _loss_utility(rec: DeviceHistory | None) -> float:
     """Oort's statistical utility, from what the device last reported: samples x loss."""
     if rec is None or rec.last_loss is None:
         return 0.0
     return max(rec.last_samples, 1) * max(rec.last_loss, 0.0)
 
 
-def _last_round(rec: DeviceRecord | None) -> int:
+def _last_round(rec: DeviceHistory | None) -> int:
     return 1 if rec is None else max(rec.last_round, 1)

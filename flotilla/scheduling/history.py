@@ -37,7 +37,7 @@ class RoundOutcome:
 
 
 @dataclass(slots=True)
-class DeviceRecord:
+class DeviceHistory:
     """One device's record for one job."""
 
     selected: int = 0
@@ -73,16 +73,16 @@ class DeviceRecord:
 
 @dataclass(slots=True)
 class FleetHistory:
-    """``(job, device) -> DeviceRecord``, plus each job's rounds so far."""
+    """``(job, device) -> DeviceHistory``, plus each job's rounds so far."""
 
-    records: dict[str, dict[str, DeviceRecord]] = field(default_factory=dict)
+    records: dict[str, dict[str, DeviceHistory]] = field(default_factory=dict)
     rounds: dict[str, int] = field(default_factory=dict)
 
     def record(self, outcome: RoundOutcome) -> None:
         job = self.records.setdefault(outcome.job_id, {})
         self.rounds[outcome.job_id] = max(self.rounds.get(outcome.job_id, 0), outcome.round)
         for device_id in set(outcome.selected) | set(outcome.durations) | set(outcome.failures):
-            rec = job.setdefault(device_id, DeviceRecord())
+            rec = job.setdefault(device_id, DeviceHistory())
             rec.selected += 1
             rec.last_round = outcome.round
         for device_id, seconds in outcome.durations.items():
@@ -103,10 +103,10 @@ class FleetHistory:
         selected = sum(r.selected for r in records)
         return (failures + prior_failures) / (selected + prior)
 
-    def get(self, job_id: str, device_id: str) -> DeviceRecord | None:
+    def get(self, job_id: str, device_id: str) -> DeviceHistory | None:
         return self.records.get(job_id, {}).get(device_id)
 
-    def job(self, job_id: str) -> Mapping[str, DeviceRecord]:
+    def job(self, job_id: str) -> Mapping[str, DeviceHistory]:
         return self.records.get(job_id, {})
 
     def selection_counts(self, job_id: str, device_ids: Iterable[str]) -> np.ndarray:
@@ -122,5 +122,5 @@ class FleetHistory:
 
     def restore_job(self, job_id: str, data: Mapping[str, Any]) -> None:
         """Put back what :meth:`job_state` returned."""
-        self.records[job_id] = {d: DeviceRecord(**r) for d, r in data["records"].items()}
+        self.records[job_id] = {d: DeviceHistory(**r) for d, r in data["records"].items()}
         self.rounds[job_id] = int(data["round"])

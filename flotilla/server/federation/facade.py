@@ -21,6 +21,7 @@ from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError
 from flotilla.core.records import DeviceRecord, JobRecord
 from flotilla.core.timeouts import Timeouts
+from flotilla.core.work import ReportVerdict, Reservation, RoundRef, UploadHeader
 from flotilla.engine import EngineConfig, EngineServices, TaskRuntime
 from flotilla.engine.backend import Reported, TrainTask
 from flotilla.scheduling import Arbiter, DevicePool, Leases
@@ -37,10 +38,6 @@ from flotilla.server.federation.views import (
     DeviceInfo,
     Enrolment,
     JobDetail,
-    ReportVerdict,
-    Reservation,
-    RoundRef,
-    UploadHeader,
     VolunteerRunInfo,
 )
 

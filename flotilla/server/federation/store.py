@@ -29,8 +29,8 @@ from sqlalchemy.sql.dml import Insert
 
 from flotilla.core.commit_rules import (
     check_commit,
+    check_job_state,
     check_next_round,
-    check_state,
     check_transition,
     state_after,
 )
@@ -319,7 +319,7 @@ class Store:
 
     async def add_job(self, job: JobRecord) -> None:
         """Insert a new job; a duplicate id is a :class:`ConflictError`."""
-        check_state(job.state)
+        check_job_state(job.state)
         row = JobRow(
             id=job.id,
             name=job.name,
@@ -361,7 +361,7 @@ class Store:
 
     async def set_job_state(self, job_id: str, state: str) -> JobRecord:
         """Move a job to ``state``; a finished job stays finished (:class:`JobStateError`)."""
-        check_state(state)
+        check_job_state(state)
         async with self._write.begin() as s:
             row = await s.get(JobRow, job_id, with_for_update=True)
             if row is None:

@@ -21,7 +21,7 @@ class OperatorServicer:
 
     async def _operator(self, context: Context) -> None:
         await self._federation.authenticate_operator(
-            wire.operator_token(context.invocation_metadata())
+            wire.bearer_token(context.invocation_metadata())
         )
 
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Context) -> pb.JobInfo:
