@@ -27,7 +27,10 @@ class Timeouts:
     report_hold_s: float = 5.0
     #: Per-call deadline for streaming a model or an update, whatever its size.
     transfer_s: float = 300.0
+    #: Deadline for one operator call (submit, list, cancel...).
     operator_s: float = 60.0
+    #: Deadline for streaming a model export to an operator.
+    export_s: float = 600.0
     #: An upload that sends nothing for this long is dropped (its buffer freed).
     upload_idle_s: float = 15.0
     #: A device silent for this long is considered gone and its slot freed.
@@ -45,7 +48,7 @@ class Timeouts:
     # --- child processes and peers -----------------------------------------------------
     #: A hosted child (rendezvous, volunteer coordinator) must be ready within this.
     child_start_s: float = 120.0
-    #: A child SIGTERMed gets this long before SIGKILL.
+    #: A child told to stop (a hosted peer, the demo's agents) gets this long before SIGKILL.
     child_stop_s: float = 15.0
     #: A hivemind DHT node must start within this.
     dht_start_s: float = 30.0

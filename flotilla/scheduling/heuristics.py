@@ -45,7 +45,7 @@ class FedCSSelector(Stateless):
 
     def __init__(self, model: DurationModel, deadline_s: float, params: FedCSParams) -> None:
         self._model = model
-        self._deadline = deadline_s * params.deadline_share
+        self._deadline_s = deadline_s * params.deadline_share
         self._p = params
 
     def select(self, job_id: str, candidates: Sequence[DeviceProfile], count: int) -> list[str]:
@@ -53,7 +53,7 @@ class FedCSSelector(Stateless):
             return []
         seconds = self._model.predict(job_id, candidates).seconds(self._p.confidence_z)
         order = np.argsort(seconds, kind="stable")
-        fit = int(np.searchsorted(seconds[order], self._deadline, side="right"))
+        fit = int(np.searchsorted(seconds[order], self._deadline_s, side="right"))
         floor = max(1, math.ceil(self._p.min_share * count))
         take = min(len(order), count, max(fit, floor))
         return _ids(candidates, order[:take])

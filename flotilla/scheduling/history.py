@@ -29,7 +29,7 @@ class RoundOutcome:
     selected: Sequence[str] = ()
     #: Of ``durations``, the seconds spent training (``compute_s`` reported by the device);
     #: the rest was transfer and latency.
-    compute: Mapping[str, float] = field(default_factory=dict)
+    compute_s: Mapping[str, float] = field(default_factory=dict)
     #: The training loss each delivering device reported (``train_loss``).
     losses: Mapping[str, float] = field(default_factory=dict)
     #: Samples each delivering device trained on.
@@ -59,16 +59,16 @@ class DeviceHistory:
         """Variance of log round time; 0 with fewer than two observations."""
         return self.log_m2 / (self.delivered - 1) if self.delivered > 1 else 0.0
 
-    def add_duration(self, seconds: float, compute: float | None) -> None:
+    def add_duration(self, seconds: float, compute_s: float | None) -> None:
         self.delivered += 1
         x = math.log(max(seconds, 1e-6))
         delta = x - self.log_mean
         self.log_mean += delta / self.delivered
         self.log_m2 += delta * (x - self.log_mean)
-        if compute is not None and 0.0 <= compute <= seconds:
+        if compute_s is not None and 0.0 <= compute_s <= seconds:
             n = self.delivered
-            self.compute_s += (compute - self.compute_s) / n
-            self.transfer_s += (seconds - compute - self.transfer_s) / n
+            self.compute_s += (compute_s - self.compute_s) / n
+            self.transfer_s += (seconds - compute_s - self.transfer_s) / n
 
 
 @dataclass(slots=True)
@@ -86,7 +86,7 @@ class FleetHistory:
             rec.selected += 1
             rec.last_round = outcome.round
         for device_id, seconds in outcome.durations.items():
-            job[device_id].add_duration(seconds, outcome.compute.get(device_id))
+            job[device_id].add_duration(seconds, outcome.compute_s.get(device_id))
         for device_id in outcome.failures:
             job[device_id].failures += 1
         for device_id, loss in outcome.losses.items():

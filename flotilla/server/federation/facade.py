@@ -126,8 +126,8 @@ class Federation:
         timeouts = self._config.timeouts
         # A held poll is a live device: hold it for less than the liveness window, so the
         # reaper never drops an agent that is simply waiting for work.
-        hold = min(timeouts.poll_hold_s, timeouts.liveness_s / 2)
-        return await self._gateway.poll(device.id, hold)
+        hold_s = min(timeouts.poll_hold_s, timeouts.liveness_s / 2)
+        return await self._gateway.poll(device.id, hold_s)
 
     def heartbeat(self, device: DeviceRecord, round_token: str) -> bool:
         """A training device is alive; whether its round is still open."""
@@ -157,8 +157,8 @@ class Federation:
     async def report_average(
         self, device: DeviceRecord, ref: RoundRef, report: Reported
     ) -> ReportVerdict:
-        hold = self._config.timeouts.report_hold_s
-        return await self._uploads.report(device.id, ref, report, hold)
+        hold_s = self._config.timeouts.report_hold_s
+        return await self._uploads.report(device.id, ref, report, hold_s)
 
     def leave(self, device: DeviceRecord, reason: str) -> None:
         self._gateway.leave(device.id, reason or "no reason given")

@@ -263,13 +263,13 @@ class Uploads:
     async def _read(
         self, chunks: AsyncIterator[memoryview | bytes], assembler: BlobAssembler, device_id: str
     ) -> memoryview:
-        idle = self._idle_s
+        idle_s = self._idle_s
         stream = aiter(chunks)
         while True:
             try:
-                data = await asyncio.wait_for(anext(stream, None), idle)
+                data = await asyncio.wait_for(anext(stream, None), idle_s)
             except asyncio.TimeoutError:
-                raise WireError(f"upload stalled: no data for {idle:.0f}s") from None
+                raise WireError(f"upload stalled: no data for {idle_s:.0f}s") from None
             if data is None:
                 return assembler.finish()
             assembler.add(data)
