@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
@@ -17,9 +16,7 @@ from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto.bulk import UpdatePart
 from flotilla.server.federation.facade import Federation
 from flotilla.server.grpc import wire
-from flotilla.server.grpc.status import Refusal
-
-Context = grpc.aio.ServicerContext[Any, Any]
+from flotilla.server.grpc.status import Context, Refusal
 
 
 class AgentServicer:

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
-
-import grpc
 
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.server.federation.facade import Federation
 from flotilla.server.grpc import wire
-
-Context = grpc.aio.ServicerContext[Any, Any]
+from flotilla.server.grpc.status import Context
 
 
 class OperatorServicer:
