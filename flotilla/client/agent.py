@@ -342,7 +342,8 @@ class Agent:
     async def _submit(self, task: WorkOrder, outcome: TrainOutcome) -> None:
         # Wait for room on the server first (while heartbeats go on), then stream at once.
         size = len(outcome.payload)
-        wait_s = max(1.0, task.deadline - time.time() + 5.0)
+        grace_s = self.config.timeouts.upload_grace_s
+        wait_s = max(1.0, task.deadline - time.time() + grace_s)
         reserved = await self._transport.send(ReserveUpload(self._me, task.ref, size, wait_s))
         header = UploadHeader(
             ref=task.ref,

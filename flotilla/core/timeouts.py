@@ -45,6 +45,9 @@ class Timeouts:
     #: time is not cut off by the clock it raced).
     upload_grace_s: float = 5.0
 
+    #: Calls in flight when the server stops get this long to finish.
+    server_stop_s: float = 1.0
+
     # --- child processes and peers -----------------------------------------------------
     #: A hosted child (rendezvous, volunteer coordinator) must be ready within this.
     child_start_s: float = 120.0
@@ -52,6 +55,8 @@ class Timeouts:
     child_stop_s: float = 15.0
     #: A hivemind DHT node must start within this.
     dht_start_s: float = 30.0
+    #: A volunteer waits this long for its run's record to appear in the DHT.
+    record_wait_s: float = 20.0
     #: A hivemind optimizer's shutdown waits at most this long for its background work.
     swarm_shutdown_s: float = 5.0
     #: A simulation training worker must say hello within this.

@@ -150,10 +150,11 @@ def publish_record(dht: hivemind.DHT, run: str, signed: SignedRecord) -> bool:
 
 
 def fetch_record(
-    dht: hivemind.DHT, run: str, trusted_key: str | None = None, wait_s: float = 10.0
+    dht: hivemind.DHT, run: str, trusted_key: str | None = None, wait_s: float | None = None
 ) -> RunRecord:
-    """The run's verified record. Waits up to ``wait_s`` for one to appear."""
-    deadline = time.monotonic() + wait_s
+    """The run's verified record. Waits up to ``wait_s`` (default
+    ``Timeouts.record_wait_s``) for one to appear."""
+    deadline = time.monotonic() + (Timeouts().record_wait_s if wait_s is None else wait_s)
     while True:
         found = dht.get(record_key(run), latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}

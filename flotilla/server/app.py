@@ -131,7 +131,9 @@ class FederationServer:
         log.info("listening on %s:%d", self.config.host, self.port)
         return self.port
 
-    async def stop(self, grace_s: float = 1.0) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop everything; calls in flight get ``grace_s`` (default
+        ``Timeouts.server_stop_s``) to finish."""
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -140,7 +142,8 @@ class FederationServer:
         await self.volunteers.stop()
         await self.rendezvous.stop()
         if self._edge is not None:
-            await self._edge.stop(grace_s)
+            grace = self.config.timeouts.server_stop_s if grace_s is None else grace_s
+            await self._edge.stop(grace)
         await self.store.close()
 
     async def wait(self) -> None:
