@@ -1,8 +1,11 @@
 """Every network and process wait in one place, so none is ever unbounded.
 
 Each field is a duration in seconds (hence ``_s``). Parts take the ``Timeouts`` (or the
-one field they need) from whoever builds them: ``AgentConfig``, ``ServerConfig`` and the
-simulation and p2p entry points pass it down; defaults below are what users get.
+one field they need) from whoever builds them: ``AgentConfig``, ``ServerConfig``,
+``VolunteerOptions`` and ``RemoteServer`` carry one; a part built without one gets these
+defaults. Waits that belong to one job or run travel with it instead, because its author
+sets them: the job spec's ``round_deadline_s``, a p2p plan's ``matchmaking_s`` and
+``chunk_timeout_s``, a volunteer run record's averaging timeouts (hivemind's names).
 """
 
 from __future__ import annotations
