@@ -344,7 +344,7 @@ async def live_server(
             await store.wipe()
         finally:
             await store.close()
-    config.setdefault("timeouts", Timeouts(liveness=30.0, poll_hold=5.0))
+    config.setdefault("timeouts", Timeouts(liveness_s=30.0, poll_hold_s=5.0))
     config.setdefault("engine", EngineConfig(selection_grace_s=0.2))
     server = FederationServer(
         ServerConfig(

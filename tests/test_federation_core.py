@@ -14,13 +14,14 @@ import pytest
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError, WireError
 from flotilla.core.timeouts import Timeouts
+from flotilla.core.work import RoundRef, UploadHeader
 from flotilla.engine import EngineConfig
 from flotilla.server.federation import auth
 from flotilla.server.federation.budget import ByteBudget
 from flotilla.server.federation.facade import Federation, FederationConfig
 from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.store import Store, default_url
-from flotilla.server.federation.views import RoundRef, UploadHeader, VolunteerRunInfo
+from flotilla.server.federation.views import VolunteerRunInfo
 from flotilla.tasks.runtime import LocalTasks
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,7 +56,7 @@ async def core(tmp_path: Path) -> AsyncIterator[tuple[Federation, Store, FakeRen
     rendezvous = FakeRendezvous()
     config = FederationConfig(
         state_dir=tmp_path,
-        timeouts=Timeouts(poll_hold=0.05, liveness=30.0),
+        timeouts=Timeouts(poll_hold_s=0.05, liveness_s=30.0),
         engine=EngineConfig(selection_grace_s=0.1),
     )
     federation = Federation(

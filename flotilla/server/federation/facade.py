@@ -21,6 +21,7 @@ from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError
 from flotilla.core.records import DeviceRecord, JobRecord
 from flotilla.core.timeouts import Timeouts
+from flotilla.core.work import ReportVerdict, Reservation, RoundRef, UploadHeader
 from flotilla.engine import EngineConfig, EngineServices, TaskRuntime
 from flotilla.engine.backend import Reported, TrainTask
 from flotilla.scheduling import Arbiter, DevicePool, Leases
@@ -37,10 +38,6 @@ from flotilla.server.federation.views import (
     DeviceInfo,
     Enrolment,
     JobDetail,
-    ReportVerdict,
-    Reservation,
-    RoundRef,
-    UploadHeader,
     VolunteerRunInfo,
 )
 
@@ -79,9 +76,7 @@ class Federation:
         self._arbiter = Arbiter(self._pool, clock, engine.selection_grace_s, engine.idle_poll_s)
         self._hosted = hosted
         self._devices = Devices(store, self._pool, clock)
-        self._uploads = Uploads(
-            self._gateway, self._pool, upload_budget, config.timeouts.upload_idle, clock
-        )
+        self._uploads = Uploads(self._gateway, self._pool, upload_budget, config.timeouts, clock)
         services = EngineServices(
             backend=self._gateway,
             leases=self._leases,
@@ -105,7 +100,7 @@ class Federation:
 
     def reap(self) -> list[str]:
         """Drop devices silent for longer than the liveness window; their ids."""
-        return self._gateway.reap(self._config.timeouts.liveness)
+        return self._gateway.reap(self._config.timeouts.liveness_s)
 
     # --- callers -------------------------------------------------------------------------
 
@@ -131,8 +126,8 @@ class Federation:
         timeouts = self._config.timeouts
         # A held poll is a live device: hold it for less than the liveness window, so the
         # reaper never drops an agent that is simply waiting for work.
-        hold = min(timeouts.poll_hold, timeouts.liveness / 2)
-        return await self._gateway.poll(device.id, hold)
+        hold_s = min(timeouts.poll_hold_s, timeouts.liveness_s / 2)
+        return await self._gateway.poll(device.id, hold_s)
 
     def heartbeat(self, device: DeviceRecord, round_token: str) -> bool:
         """A training device is alive; whether its round is still open."""
@@ -162,8 +157,8 @@ class Federation:
     async def report_average(
         self, device: DeviceRecord, ref: RoundRef, report: Reported
     ) -> ReportVerdict:
-        hold = self._config.timeouts.report_hold
-        return await self._uploads.report(device.id, ref, report, hold)
+        hold_s = self._config.timeouts.report_hold_s
+        return await self._uploads.report(device.id, ref, report, hold_s)
 
     def leave(self, device: DeviceRecord, reason: str) -> None:
         self._gateway.leave(device.id, reason or "no reason given")

@@ -1,6 +1,8 @@
 """The values the federation core takes from and hands to its edges (gRPC today, HTTP next).
 
-Frozen and transport-free: an edge converts its own messages to and from these in one
+Frozen and transport-free (the round values a device and the server share, ``RoundRef``,
+``UploadHeader``, ``Reservation``, ``ReportVerdict``, are :mod:`flotilla.core.work`'s, the
+same types the agent uses): an edge converts its own messages to and from these in one
 module (``flotilla.server.grpc.wire`` for gRPC), and the core never sees a wire type.
 """
 
@@ -48,46 +50,6 @@ class VolunteerRunInfo:
     coordinator_key: str
     #: The coordinator's latest ``status.json``; empty before it wrote one.
     status_json: str
-
-
-@dataclass(frozen=True, slots=True)
-class RoundRef:
-    """The round a device's upload or report claims to belong to."""
-
-    job_id: str
-    round: int
-    round_token: str
-
-
-@dataclass(frozen=True, slots=True)
-class UploadHeader:
-    """What precedes an update's bytes: its round, size, checksum and codec."""
-
-    ref: RoundRef
-    num_samples: int
-    payload_size: int
-    payload_sha256: str
-    #: The uplink codec's name; ``""`` or ``"safetensors"`` mean plain safetensors.
-    codec: str
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    #: A key from :meth:`Federation.reserve_upload`, or ``""`` to wait for room now.
-    reservation: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """Room in the upload budget held for one device's next upload, for ``ttl_s``."""
-
-    key: str
-    ttl_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class ReportVerdict:
-    """The answer to a server-less round's report: upload the average now? still open?"""
-
-    upload: bool
-    round_open: bool
 
 
 @dataclass(frozen=True, slots=True)

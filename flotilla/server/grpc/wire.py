@@ -10,6 +10,7 @@ from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import WireError
 from flotilla.core.records import JobRecord, RoundRecord
 from flotilla.core.spec import JobSpec
+from flotilla.core.work import RoundRef, UploadHeader
 from flotilla.engine.backend import Reported, TrainTask
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto.bulk import UpdatePart, blob_chunk
@@ -17,8 +18,6 @@ from flotilla.server.federation import auth
 from flotilla.server.federation.views import (
     BlobSlice,
     DeviceInfo,
-    RoundRef,
-    UploadHeader,
     VolunteerRunInfo,
 )
 
@@ -39,7 +38,7 @@ def device_credentials(metadata: object) -> tuple[str | None, str | None]:
     return auth.header(md, DEVICE_HEADER), auth.bearer(md)
 
 
-def operator_token(metadata: object) -> str | None:
+def bearer_token(metadata: object) -> str | None:
     return auth.bearer(_pairs(metadata))
 
 
@@ -182,12 +181,12 @@ def volunteer_run_to_pb(info: VolunteerRunInfo) -> pb.VolunteerRunInfo:
 
 __all__ = [
     "DEVICE_HEADER",
+    "bearer_token",
     "blob_to_wire",
     "device_credentials",
     "device_info_to_pb",
     "header_from_pb",
     "job_info",
-    "operator_token",
     "profile_from_pb",
     "report_from_pb",
     "round_ref",
