@@ -34,13 +34,12 @@ from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
 from flotilla.server.federation import auth
 from flotilla.tasks import Shard, ShardTraining
-from tests.live_grpc import (
+from tests.support.live_grpc import (
     DIGITS,
     QUICK_JOB,
     SPEC,
     Device,
     LiveServer,
-    database_params,
     live_server,
     refused,
     run_cli,
@@ -53,9 +52,10 @@ pytestmark = pytest.mark.timeout(120)
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 
-@pytest.fixture(params=database_params())
-async def live(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[LiveServer]:
-    async with live_server(tmp_path / "state", request.param) as srv:
+@pytest.fixture
+async def live(db_url: str, tmp_path: Path) -> AsyncIterator[LiveServer]:
+    """A live gRPC server on each database."""
+    async with live_server(tmp_path / "state", db_url) as srv:
         yield srv
 
 

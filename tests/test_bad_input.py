@@ -27,13 +27,12 @@ from flotilla.core.timeouts import Timeouts
 from flotilla.engine import EngineConfig
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.server.app import ServerConfig
-from tests.live_grpc import (
+from tests.support.live_grpc import (
     QUICK_JOB,
     RPC_TIMEOUT,
     SPEC,
     LiveServer,
     data_messages,
-    database_params,
     live_server,
     refused,
     run_cli,
@@ -49,9 +48,10 @@ STALE = grpc.StatusCode.FAILED_PRECONDITION
 MAX_MESSAGE_BYTES = ServerConfig().max_message_bytes  # what these servers run with
 
 
-@pytest.fixture(params=database_params())
-async def live(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[LiveServer]:
-    async with live_server(tmp_path / "state", request.param) as srv:
+@pytest.fixture
+async def live(db_url: str, tmp_path: Path) -> AsyncIterator[LiveServer]:
+    """A live gRPC server on each database."""
+    async with live_server(tmp_path / "state", db_url) as srv:
         yield srv
 
 

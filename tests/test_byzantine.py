@@ -1,8 +1,9 @@
-"""Byzantine robustness, end to end: a real server and five real agent processes, one Byzantine.
+"""Byzantine robustness, end to end: the server core and five real agents, one Byzantine.
 
-The Byzantine agent is an ordinary ``flotilla client`` process running the test-only task
-``tests.byzantine_task:ByzantineDigits`` with ``FLOTILLA_TEST_BYZANTINE=1`` in its
-environment; the job's ``train.params.attack`` picks what it does. Every round selects all
+The agents are real ``flotilla.client.Agent`` s in this process (over the in-process
+transport); the Byzantine one trains the test-only task
+``tests.support.byzantine_task:ByzantineDigits`` made with ``byzantine=True``, the others
+the same task honest; the job's ``train.params.attack`` picks what it does. Every round selects all
 five agents, so every round is exactly 20% Byzantine (checked from the server's own records).
 
 One module-scoped fleet runs every job at once: a clean run (FedAvg, ``attack = none``, so
@@ -23,29 +24,25 @@ with client momentum 0.5.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+import asyncio
 import time
 from collections import Counter
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.byzantine_task import BYZANTINE_ENV
-from tests.conftest import AgentFleet, ServerProcess
-from tests.support.lifetime import die_with_test
+from flotilla.tasks import Task
+from tests.support.byzantine_task import ByzantineDigits
+from tests.support.databases import database_url, deployment_database
+from tests.support.inproc import InProcessFederation, in_process_federation
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = REPO / "examples" / "digits.toml"
-TASK = "tests.byzantine_task:ByzantineDigits"
+TASK = "tests.support.byzantine_task:ByzantineDigits"
 AGENTS = 5
 #: Shards whose agent processes are Byzantine: 1 of 5 = 20%.
 BYZANTINE_SHARDS = frozenset({0})
@@ -54,7 +51,7 @@ ROUNDS = 12
 BROKEN_BELOW = 0.5
 #: A robust rule must end at least ``clean - TOLERANCE``.
 TOLERANCE = 0.06
-#: Bound on the whole run (startup, every job, read-back); about 1 min on 2 idle cores.
+#: Bound on the whole run (startup, every job, read-back).
 RUN_TIMEOUT_S = 480.0
 
 #: Every job: all agents every round, quorum = all of them, mild label skew.
@@ -133,106 +130,66 @@ class Results:
         return "\n".join(lines)
 
 
-def start_agents(fleet: AgentFleet, env: dict[str, str]) -> None:
-    """The fleet, with the Byzantine flag set only in the Byzantine processes' environment."""
-    for i in range(AGENTS):
-        log = (fleet.logs / f"agent-{i}.log").open("ab")
-        cmd = [
-            sys.executable, "-m", "flotilla", "client",
-            "--server", fleet.server.address, f"--token={fleet.token}",
-            "--task", TASK, "--shard", f"{i}/{AGENTS}",
-        ]  # fmt: skip
-        agent_env = {**env, BYZANTINE_ENV: "1" if i in BYZANTINE_SHARDS else "0"}
-        fleet.procs.append(
-            subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=agent_env,
-                cwd=REPO,
-                preexec_fn=die_with_test,
-            )
-        )
+def byzantine_task(task: str, index: int, count: int) -> Task:
+    """Each agent's task: Byzantine on ``BYZANTINE_SHARDS``, honest elsewhere."""
+    return ByzantineDigits(byzantine=index in BYZANTINE_SHARDS)
 
 
-def wait_all(server: ServerProcess, ids: dict[str, str], deadline: float) -> None:
-    """Wait (in-process polls) until every job has ended, then check the operator's job list
-    says so; fail with the laggards otherwise."""
+async def wait_all(fed: InProcessFederation, ids: dict[str, str], deadline: float) -> None:
+    """Wait until every job has ended, then check the operator's job list says so; fail
+    with the laggards otherwise."""
     for job_id in ids.values():
-        server.wait_for(job_id, max(deadline - time.monotonic(), 1.0), states=("completed",))
-    listing = json.loads(server.operator("job", "list", "--json", timeout=60).stdout)
-    mine = [j for j in listing if j["id"] in ids.values()]
-    pending = [j for j in mine if j["state"] in ("pending", "running")]
-    late = {j["name"]: f"{j['rounds_committed']}/{j['rounds_total']}" for j in pending}
+        await fed.wait_for(job_id, max(deadline - time.monotonic(), 1.0), states=("completed",))
+    mine = [j for j in await fed.federation.list_jobs() if j.id in ids.values()]
+    pending = [j for j in mine if j.state in ("pending", "running")]
+    late = {j.name: f"{j.rounds_committed}/{j.rounds_total}" for j in pending}
     assert len(mine) == len(ids) and not pending, f"jobs not done in time: {late}"
 
 
-def byzantine_counts(server: ServerProcess) -> dict[tuple[str, int], tuple[int, int]]:
+async def byzantine_counts(fed: InProcessFederation) -> dict[tuple[str, int], tuple[int, int]]:
     """(job, round) -> (updates, Byzantine updates), from the server's participation rows."""
-    import asyncio
-
-    from flotilla.server.federation.store import Store, default_url
-
-    async def read() -> list[Any]:
-        store = await Store.open(server.db_url or default_url(server.state_dir))
-        try:
-            return await store.list_participations()
-        finally:
-            await store.close()
-
     updates: Counter[tuple[str, int]] = Counter()
     byzantine: Counter[tuple[str, int]] = Counter()
-    for row in asyncio.run(read()):
+    for row in await fed.store.list_participations():
         key = (row.job_id, row.round)
         updates[key] += 1
         byzantine[key] += int(row.metrics.get("byzantine", 0.0) == 1.0)
     return {key: (n, byzantine[key]) for key, n in updates.items()}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
-    """Run every job once on one server and fleet; each test then reads its own rows."""
+async def run_all(root: Path) -> Results:
+    """Every job once on one federation and fleet."""
     started = time.monotonic()
     deadline = started + RUN_TIMEOUT_S
-    root = tmp_path_factory.mktemp("byzantine")
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    # Five agents and a server share two cores here: one torch thread each.
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    with pytest.MonkeyPatch.context() as mp:
-        for key in ("PYTHONPATH", "OMP_NUM_THREADS"):
-            mp.setenv(key, env[key])  # the server imports the task too, to evaluate
-        server = ServerProcess(root / "state")
-        server.start()
-    fleet = AgentFleet(server, server.token(), root)
-    try:
-        start_agents(fleet, env)
-        jobs = job_overrides()
-        with ThreadPoolExecutor(4) as pool:
-            futures = {
-                name: pool.submit(server.submit, SPEC, *sets, f"job.name={name}")
-                for name, sets in jobs.items()
-            }
-            ids = {name: f.result(timeout=120) for name, f in futures.items()}
-        wait_all(server, ids, deadline)
-        with ThreadPoolExecutor(4) as pool:
-            statuses = dict(zip(ids, pool.map(server.status, ids.values()), strict=True))
-        counts = byzantine_counts(server)
-        outcomes = {}
-        for name, job_id in ids.items():
-            status = statuses[name]
-            committed = int(status["rounds_committed"])
-            outcomes[name] = JobOutcome(
-                state=status["state"],
-                accuracy=float(status["metrics"].get("accuracy", float("nan"))),
-                rounds_committed=committed,
-                rounds=[counts.get((job_id, r), (0, 0)) for r in range(1, committed + 1)],
-            )
-        res = Results(outcomes, time.monotonic() - started)
-        print(f"\nByzantine robustness, {ROUNDS} rounds, {res.elapsed_s:.0f}s:\n{res.table()}")
-        yield res
-    finally:
-        fleet.stop()
-        server.stop()
+    url = database_url(deployment_database(), root)
+    async with in_process_federation(root / "state", url) as fed:
+        await fed.start_agents(AGENTS, TASK, make_task=byzantine_task)
+        ids = {
+            name: await fed.submit(SPEC, *sets, f"job.name={name}")
+            for name, sets in job_overrides().items()
+        }
+        await wait_all(fed, ids, deadline)
+        statuses = {name: await fed.status(job_id) for name, job_id in ids.items()}
+        counts = await byzantine_counts(fed)
+    outcomes = {}
+    for name, job_id in ids.items():
+        status: dict[str, Any] = statuses[name]
+        committed = int(status["rounds_committed"])
+        outcomes[name] = JobOutcome(
+            state=status["state"],
+            accuracy=float(status["metrics"].get("accuracy", float("nan"))),
+            rounds_committed=committed,
+            rounds=[counts.get((job_id, r), (0, 0)) for r in range(1, committed + 1)],
+        )
+    return Results(outcomes, time.monotonic() - started)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
+    """Run every job once; each test then reads its own rows."""
+    res = asyncio.run(run_all(tmp_path_factory.mktemp("byzantine")))
+    print(f"\nByzantine robustness, {ROUNDS} rounds, {res.elapsed_s:.0f}s:\n{res.table()}")
+    return res
 
 
 def check_rounds(res: Results, name: str, byzantine: int) -> None:

@@ -1,4 +1,6 @@
-"""A real federation end to end: server and agent processes on 127.0.0.1, real data."""
+"""A federation end to end on real data: the server core and real agents in one process,
+then real server and agent processes on 127.0.0.1 where processes are the point (kill -9,
+an agent killed mid-upload, Ctrl-C, the operator CLI)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from flotilla.core.errors import SpecError
 from flotilla.core.records import JobRecord
-from tests.conftest import DIGITS, AgentFleet, ServerProcess, flotilla
+from tests.support.inproc import InProcessFederation
 from tests.support.lifetime import die_with_test
+from tests.support.processes import DIGITS, AgentFleet, ServerProcess, flotilla
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -40,17 +44,22 @@ def participations(server: ServerProcess) -> list:
     return read_store(server, "participations")
 
 
-def test_five_agents_learn_digits(
-    server: ServerProcess, fleet: AgentFleet, digits_spec: Path, tmp_path: Path
+# --- in one process: the server core and real agents over the in-process transport ------
+
+
+async def test_five_agents_learn_digits(
+    in_process: InProcessFederation, digits_spec: Path, tmp_path: Path
 ) -> None:
-    fleet.start(5)
-    job_id = server.submit(digits_spec, "job.rounds=20", "data.alpha=0.5", "job.name=five")
-    status = server.wait_for(job_id, timeout=300)
+    await in_process.start_agents(5)
+    job_id = await in_process.submit(
+        digits_spec, "job.rounds=20", "data.alpha=0.5", "job.name=five"
+    )
+    status = await in_process.wait_for(job_id, timeout=300)
     assert status["state"] == "completed", status
     assert status["rounds_committed"] == status["rounds_total"] == 20
     assert status["metrics"]["accuracy"] >= 0.90, status
 
-    detailed = server.status(job_id, rounds=True)
+    detailed = await in_process.status(job_id, rounds=True)
     rounds = detailed["rounds"]
     assert [r["round"] for r in rounds] == list(range(1, 21))
     for r in rounds:
@@ -59,21 +68,20 @@ def test_five_agents_learn_digits(
         assert r["started_at"] <= r["committed_at"]
     assert {"id", "name", "state", "rounds_committed", "rounds_total", "metrics"} <= set(detailed)
 
-    listing = json.loads(server.operator("job", "list", "--json").stdout)
-    assert [j["id"] for j in listing] == [job_id]
+    assert [j["id"] for j in await in_process.jobs()] == [job_id]
 
     out = tmp_path / "model.safetensors"
-    server.operator("job", "export", job_id, "--out", str(out))
+    out.write_bytes(await in_process.export(job_id))
     exported = load_file(str(out))
     assert exported and all(np.isfinite(v).all() for v in exported.values())
 
 
-def test_two_jobs_share_eight_agents_without_overlap(
-    server: ServerProcess, fleet: AgentFleet, digits_spec: Path
+async def test_two_jobs_share_eight_agents_without_overlap(
+    in_process: InProcessFederation, digits_spec: Path
 ) -> None:
-    fleet.start(8)
+    await in_process.start_agents(8)
     jobs = [
-        server.submit(
+        await in_process.submit(
             digits_spec,
             "job.rounds=20",
             "job.clients_per_round=4",
@@ -83,11 +91,11 @@ def test_two_jobs_share_eight_agents_without_overlap(
         for i in range(2)
     ]
     for job_id in jobs:
-        status = server.wait_for(job_id, timeout=400)
+        status = await in_process.wait_for(job_id, timeout=400)
         assert status["state"] == "completed", status
         assert status["metrics"]["accuracy"] >= 0.90, status
 
-    rows = participations(server)
+    rows = await in_process.participations()
     assert {r.job_id for r in rows} == set(jobs)
     assert_one_job_at_a_time(rows)
 
@@ -104,14 +112,14 @@ def assert_one_job_at_a_time(rows: list) -> None:
                 assert a.finished_at <= b.started_at, f"{device} served two jobs at once: {a} {b}"
 
 
-def test_learned_selectors_share_real_agents_decided_jointly(
-    server: ServerProcess, fleet: AgentFleet, digits_spec: Path
+async def test_learned_selectors_share_real_agents_decided_jointly(
+    in_process: InProcessFederation, digits_spec: Path
 ) -> None:
     """Three jobs, three selectors, six agents: the arbiter splits the fleet between the
     jobs that ask at once; no device serves two jobs at a time."""
-    fleet.start(6)
+    await in_process.start_agents(6)
     jobs = [
-        server.submit(
+        await in_process.submit(
             digits_spec,
             "job.rounds=6",
             "job.clients_per_round=4",  # 12 wanted of 6 agents: the jobs wait together
@@ -123,31 +131,36 @@ def test_learned_selectors_share_real_agents_decided_jointly(
     ]
     contenders = []
     for job_id in jobs:
-        status = server.wait_for(job_id, timeout=400)
+        status = await in_process.wait_for(job_id, timeout=400)
         assert status["state"] == "completed", status
-        rounds = server.status(job_id, rounds=True)["rounds"]
+        rounds = (await in_process.status(job_id, rounds=True))["rounds"]
         contenders += [r["metrics"]["sched_contenders"] for r in rounds]
         assert all(r["metrics"]["sched_selected"] >= 1 for r in rounds)
     assert max(contenders) >= 2, "jobs asking at once are decided together"
-    refused = server.operator(
-        "job", "submit", str(digits_spec), "--set", "scheduling.selector=rl",
-        "--set", "scheduling.params.policy_file=/nonexistent/policy.json", check=False,
-    )  # fmt: skip
-    assert refused.returncode != 0 and "policy_file" in refused.stderr
-    assert len(json.loads(server.operator("job", "list", "--json").stdout)) == 3
-    devices = json.loads(server.operator("devices", "list", "--json").stdout)
+    with pytest.raises(SpecError, match="policy_file"):
+        await in_process.submit(
+            digits_spec,
+            "scheduling.selector=rl",
+            "scheduling.params.policy_file=/nonexistent/policy.json",
+        )
+    assert len(await in_process.jobs()) == 3
+    devices = await in_process.devices()
     assert len(devices) == 6 and {d["state"] for d in devices} == {"idle"}
     assert sum(sum(d["selected"].values()) for d in devices) >= 3 * 6 * 2
-    other = json.loads(server.operator("devices", "list", "--task", "x.y:Other", "--json").stdout)
+    other = await in_process.devices("x.y:Other")
     assert {(d["state"], d["reason"]) for d in other} == {
         ("ineligible", "task x.y:Other is not installed")
     }
-    assert_one_job_at_a_time(participations(server))
+    assert_one_job_at_a_time(await in_process.participations())
+
+
+# --- real processes: where killing, signals and the CLI are the point ---------------------
 
 
 ROUNDS = 30
 
 
+@pytest.mark.slow
 def test_kill_9_mid_round_then_restart_resumes(
     server: ServerProcess, fleet: AgentFleet, digits_spec: Path
 ) -> None:
@@ -211,6 +224,7 @@ def scheduler_state(server: ServerProcess, job_id: str) -> dict:
     return json.loads((server.state_dir / "blobs" / sha[:2] / sha).read_text())
 
 
+@pytest.mark.slow
 def test_agent_killed_mid_upload_leaves_nothing(
     server: ServerProcess, fleet: AgentFleet, digits_spec: Path
 ) -> None:
@@ -218,7 +232,7 @@ def test_agent_killed_mid_upload_leaves_nothing(
     half = subprocess.Popen(
         [
             sys.executable,
-            str(Path(__file__).with_name("half_upload_agent.py")),
+            str(Path(__file__).parent / "support" / "half_upload_agent.py"),
             server.address,
             token,
             DIGITS,
@@ -277,6 +291,36 @@ def test_ctrl_c_leaves_cleanly_and_cancel_stops_a_job(
     assert agent.wait(15) == 0
     assert time.monotonic() - started < 15
     assert "left (agent stopped)" in server.log.read_text()
+
+
+def test_operator_cli_lists_exports_and_refuses_by_name(
+    server: ServerProcess, fleet: AgentFleet, digits_spec: Path, tmp_path: Path
+) -> None:
+    """What the in-process tests check through the facade, once through the CLI and a real
+    server: job list, devices list (also for a task nobody installed), export, a refusal."""
+    fleet.start(2)
+    job_id = server.submit(digits_spec, "job.rounds=2", "job.clients_per_round=2")
+    status = server.wait_for(job_id, timeout=300)
+    assert status["state"] == "completed", status
+    listing = json.loads(server.operator("job", "list", "--json").stdout)
+    assert [j["id"] for j in listing] == [job_id]
+    out = tmp_path / "model.safetensors"
+    server.operator("job", "export", job_id, "--out", str(out))
+    exported = load_file(str(out))
+    assert exported and all(np.isfinite(v).all() for v in exported.values())
+    refused = server.operator(
+        "job", "submit", str(digits_spec), "--set", "scheduling.selector=rl",
+        "--set", "scheduling.params.policy_file=/nonexistent/policy.json", check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "policy_file" in refused.stderr
+    server.wait_devices(2, timeout=60)
+    devices = json.loads(server.operator("devices", "list", "--json").stdout)
+    assert len(devices) == 2 and {d["state"] for d in devices} == {"idle"}
+    assert sum(sum(d["selected"].values()) for d in devices) >= 2 * 2
+    other = json.loads(server.operator("devices", "list", "--task", "x.y:Other", "--json").stdout)
+    assert {(d["state"], d["reason"]) for d in other} == {
+        ("ineligible", "task x.y:Other is not installed")
+    }
 
 
 def test_cli_help_for_every_command() -> None:

@@ -84,10 +84,10 @@ async def test_a_device_enrols_authenticates_polls_and_is_listed_with_its_profil
         await federation.enrol("wrong", DeviceProfile(""))
     profile = DeviceProfile("", tasks=(DIGITS,), gflops=12.5, upload_bytes_per_s=3e6)
     enrolment = await federation.enrol(await _enrol_token(store), profile)
-    for device_id, secret in [(enrolment.device_id, "wrong"), (None, enrolment.credential)]:
+    for device_id, secret in [(enrolment.device_id, "wrong"), (None, enrolment.secret)]:
         with pytest.raises(AuthError):
             await federation.authenticate_device(device_id, secret)
-    device = await federation.authenticate_device(enrolment.device_id, enrolment.credential)
+    device = await federation.authenticate_device(enrolment.device_id, enrolment.secret)
 
     (offline,) = await federation.list_devices()
     assert (offline.state, offline.gflops, offline.last_seen) == ("offline", 12.5, 0.0)
@@ -111,7 +111,7 @@ async def test_uploads_and_downloads_outside_an_open_round_are_stale(
 ) -> None:
     federation, store, _ = core
     enrolment = await federation.enrol(await _enrol_token(store), DeviceProfile(""))
-    device = await federation.authenticate_device(enrolment.device_id, enrolment.credential)
+    device = await federation.authenticate_device(enrolment.device_id, enrolment.secret)
     ref = RoundRef("job-x", 1, "token")
     with pytest.raises(StaleRoundError):
         await federation.reserve_upload(device, ref, 10)

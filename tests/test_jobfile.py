@@ -11,6 +11,7 @@ import pytest
 
 from flotilla.core.errors import SpecError
 from flotilla.core.jobfile import load_job_specs
+from tests.support.lifetime import die_with_test
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +49,7 @@ def _loaded_modules(code: str) -> tuple[int, set[str]]:
         capture_output=True,
         text=True,
         timeout=60,
+        preexec_fn=die_with_test,
         cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
     )

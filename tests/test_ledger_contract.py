@@ -25,7 +25,7 @@ from flotilla.core.records import (
 )
 from flotilla.engine.ports import Ledger
 from flotilla.simulation.runner import SimLedger
-from tests.conftest import database_params, database_url, open_empty_store
+from tests.support.databases import database_params, database_url, open_empty_store
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.netimpair import PREFIX, Impairment, Network, impaired_network
 from tests.support.lifetime import die_with_test
+from tests.support.netimpair import PREFIX, Impairment, Network, impaired_network
 
 PORT = 9000
 

@@ -19,7 +19,7 @@ import pytest
 from flotilla.p2p import start_dht
 from tests.support.lifetime import die_with_test
 
-PEER = Path(__file__).parent / "peers" / "allreduce_peer.py"
+PEER = Path(__file__).parent / "support" / "peers" / "allreduce_peer.py"
 SIZE = 10_000_000
 PEERS = 8
 KILLED = 2
@@ -59,6 +59,7 @@ class Peer:
         self.proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_survivors_never_keep_a_partial_average() -> None:
     rng = random.Random(7)

@@ -31,7 +31,7 @@ from flotilla.engine.p2p_round import Agreement
 from flotilla.engine.tally import RoundTally
 from flotilla.scheduling import DevicePool, Leases
 from flotilla.server.federation.gateway import Gateway
-from tests.conftest import AgentFleet, ServerProcess
+from tests.support.processes import AgentFleet, ServerProcess
 
 TASK = "pkg.mod:Task"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits.toml"
@@ -197,6 +197,7 @@ def test_group_members_end_with_identical_bits_under_int8() -> None:
     assert names == ["dev-0", "dev-1", "dev-2"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_peer_the_server_did_not_name_cannot_join_the_group(tmp_path: Path) -> None:
     """The plan names each selected device's peer id; a peer holding the group key but not
@@ -316,6 +317,7 @@ def _wait_for_line(path: Path, pattern: str, timeout: float) -> None:
     raise AssertionError(f"{path.name} never logged {pattern!r}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_p2p_digits_job_commits_the_models_agents_agreed_on_despite_a_kill(
     server: ServerProcess, fleet: AgentFleet, digits_spec: Path, tmp_path: Path

@@ -1,5 +1,5 @@
 """Volunteer peers across a slow, lossy network: hosts in network namespaces joined by a link
-with 100 ms of delay each way, 1 % loss and a 20 Mbit/s cap (tests/netimpair.py, since this
+with 100 ms of delay each way, 1 % loss and a 20 Mbit/s cap (tests/support/netimpair.py, since this
 kernel has no sch_netem)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from flotilla.tasks.charlm import CharLMTask
-from tests.netimpair import Network, impaired_network
+from tests.support.netimpair import Network, impaired_network
 
 TASK = "flotilla.tasks.charlm:CharLMTask"
-PEER = Path(__file__).parent / "peers" / "allreduce_peer.py"
+PEER = Path(__file__).parent / "support" / "peers" / "allreduce_peer.py"
 SLOW = {"delay_ms": 100.0, "loss": 0.01, "rate_mbit": 20.0}
 BOOTSTRAP = (
     "import sys, time\n"
@@ -46,6 +46,7 @@ def _maddr(net: Network, host: int) -> list[str]:
     return ["--host-maddrs", f"/ip4/{net.ip(host)}/tcp/0"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_volunteers_complete_epochs_across_a_slow_lossy_link(
     env: dict[str, str], tmp_path: Path
@@ -151,6 +152,7 @@ def _allreduce(net: Network, env: dict[str, str], compression: str, trial: int) 
     return max(float(r["allreduce_seconds"]) for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_int8_shortens_averaging_over_a_slow_link(env: dict[str, str]) -> None:
     with impaired_network(3, **SLOW) as net:

@@ -11,7 +11,7 @@ import pytest
 
 from flotilla.core.timeouts import Timeouts
 from flotilla.proto import flotilla_pb2 as pb
-from tests.live_grpc import Device, LiveServer, live_server
+from tests.support.live_grpc import Device, LiveServer, live_server
 
 pytestmark = pytest.mark.timeout(120)
 

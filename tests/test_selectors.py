@@ -34,7 +34,7 @@ from flotilla.scheduling import (
 from flotilla.scheduling.bayesian import log_expected_improvement
 from flotilla.scheduling.rl import RLSelector
 from flotilla.simulation import load_experiment, run_experiment
-from tests.test_simulation import experiment_file, rows
+from tests.support.experiments import experiment_file, rows
 
 JOB = "job-1"
 

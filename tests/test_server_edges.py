@@ -21,7 +21,7 @@ from flotilla.cli.remote import _ERRORS as CLIENT_ERRORS
 from flotilla.core import errors
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.server.grpc.status import STATUS, Refusal, guarded, status_of
-from tests.live_grpc import LiveServer, live_server, refused
+from tests.support.live_grpc import LiveServer, live_server, refused
 
 SERVER = Path(__file__).resolve().parent.parent / "flotilla" / "server"
 

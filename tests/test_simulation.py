@@ -29,56 +29,13 @@ from flotilla.simulation import (
     run_simulated,
     sessions,
 )
+from tests.support.experiments import experiment_file, rows
+from tests.support.inproc import InProcessFederation
 from tests.support.lifetime import die_with_test
 
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def experiment_file(tmp_path: Path, body: str = "", *, name: str = "exp.toml") -> Path:
-    """A small digits experiment: 60 augmented clients, 10 per round, a few rounds."""
-    text = f"""
-[job]
-name = "small"
-rounds = 4
-clients_per_round = 10
-over_selection = 1.2
-min_quorum = 5
-round_deadline_s = 120.0
-
-[train]
-local_epochs = 1
-batch_size = 16
-
-[data]
-alpha = 0.5
-params = {{ augment = true, min_samples = 20, max_samples = 40 }}
-
-[population]
-clients = 60
-dropout = 0.1
-
-[[population.classes]]
-name = "phone"
-share = 0.7
-speed_median = 0.5
-upload_mbps = 5.0
-
-[[population.classes]]
-name = "server"
-share = 0.3
-speed_median = 10.0
-upload_mbps = 200.0
-{body}
-"""
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def rows(out: Path, name: str = "metrics.jsonl") -> list[dict]:
-    return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
 def without_wall(items: list[dict]) -> list[dict]:
@@ -571,6 +528,7 @@ print(json.dumps({"listeners": listeners, "max_diff": diff, "count": len(remote)
 """
 
 
+@pytest.mark.slow
 def test_ray_workers_listen_on_loopback_only_and_train_like_local_ones(tmp_path: Path) -> None:
     script = tmp_path / "ray_check.py"
     script.write_text(RAY_CHECK)
@@ -593,33 +551,28 @@ def test_ray_workers_listen_on_loopback_only_and_train_like_local_ones(tmp_path:
     assert report["max_diff"] < 1e-5
 
 
-def test_one_experiment_file_trains_in_simulation_and_on_real_agents(
-    sqlite_server: object, tmp_path: Path
+async def test_one_experiment_file_trains_in_simulation_and_on_real_agents(
+    in_process: InProcessFederation, tmp_path: Path
 ) -> None:
-    """The same job spec, unchanged: 8 virtual clients, then 8 real agent processes."""
-    from tests.conftest import AgentFleet, ServerProcess
-
-    assert isinstance(sqlite_server, ServerProcess)
+    """The same job spec, unchanged: 8 virtual clients, then 8 real agents (the server core
+    and ``flotilla.client.Agent`` s in this process)."""
     path = tmp_path / "both.toml"
     path.write_text(
         (ROOT / "examples" / "digits.toml").read_text()
         + "\n[population]\nclients = 8\n\n[simulation]\nseed = 3\n"
     )
     experiment = load_experiment(path, ["job.rounds=20", "job.clients_per_round=4"])
-    summary = run_experiment(experiment, tmp_path / "sim", progress=False)
+    summary = await asyncio.to_thread(run_experiment, experiment, tmp_path / "sim", progress=False)
     assert summary["final_metrics"]["accuracy"] >= 0.90, summary
 
-    agents = AgentFleet(sqlite_server, sqlite_server.token(), tmp_path)
-    try:
-        agents.start(8)
-        job_id = sqlite_server.submit(path, "job.rounds=20", "job.clients_per_round=4")
-        status = sqlite_server.wait_for(job_id, timeout=400)
-    finally:
-        agents.stop()
+    await in_process.start_agents(8)
+    job_id = await in_process.submit(path, "job.rounds=20", "job.clients_per_round=4")
+    status = await in_process.wait_for(job_id, timeout=400)
     assert status["state"] == "completed", status
     assert status["metrics"]["accuracy"] >= 0.90, status
 
 
+@pytest.mark.slow
 def test_the_example_experiment_reaches_ninety_percent(tmp_path: Path) -> None:
     """`flotilla simulate examples/digits-sim.toml`: 1,000 clients, 100 a round, 30 rounds,
     20% mid-round dropout."""
@@ -679,6 +632,7 @@ def test_task_parameters_send_batched_training_to_the_task_s_own_loop() -> None:
     assert batched._loop is not None, "the loop ran, not the vectorized recipe"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["unrelated", "related"])
 def test_the_scheduling_study_runs_its_three_jobs(scenario: str, tmp_path: Path) -> None:
     """The study's scenario files as benchmarks/scheduling.py runs them (fewer rounds and

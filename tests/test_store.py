@@ -2,7 +2,7 @@
 
 Set ``FLOTILLA_TEST_POSTGRES_URL`` (e.g. ``postgresql://root@127.0.0.1:5432/test``) to add
 the PostgreSQL backend; its tables are wiped at the start of every test (the ``store`` and
-``store_url`` fixtures live in conftest.py).
+``db_url`` fixtures live in conftest.py).
 """
 
 from __future__ import annotations
@@ -323,10 +323,10 @@ async def test_concurrent_commits_of_one_round(store: Store) -> None:
     assert (await store.get_job("job-1")) == winners[0]
 
 
-async def test_concurrent_commits_from_two_servers(store: Store, store_url: str) -> None:
+async def test_concurrent_commits_from_two_servers(store: Store, db_url: str) -> None:
     """Two engines on one database (two server processes): the lock still admits one."""
     await store.add_job(make_job(rounds_total=5))
-    other = await Store.open(store_url)
+    other = await Store.open(db_url)
     try:
         for rnd in (1, 2, 3):
             results = await asyncio.gather(
@@ -345,7 +345,7 @@ async def test_concurrent_commits_from_two_servers(store: Store, store_url: str)
     assert job.rounds_committed == 3
 
 
-async def test_data_survives_reopen(store: Store, store_url: str) -> None:
+async def test_data_survives_reopen(store: Store, db_url: str) -> None:
     dev = DeviceRecord("dev-a", "cred", ("mnist",), {"gflops": 1.5}, 10.0, 11.0)
     await store.add_device(dev)
     await store.add_enrol_token("e1")
@@ -356,7 +356,7 @@ async def test_data_survives_reopen(store: Store, store_url: str) -> None:
     rounds = await store.list_rounds("job-1")
     await store.close()
 
-    reopened = await Store.open(store_url)
+    reopened = await Store.open(db_url)
     try:
         assert await reopened.get_device("dev-a") == dev
         assert await reopened.has_enrol_token("e1")
@@ -371,14 +371,14 @@ async def test_data_survives_reopen(store: Store, store_url: str) -> None:
 
 
 async def test_a_database_from_before_a_new_column_is_upgraded_in_place(
-    store: Store, store_url: str
+    store: Store, db_url: str
 ) -> None:
     await store.add_job(make_job("job-old"))
     async with store._write_engine.begin() as conn:  # as an earlier release left it
         await conn.exec_driver_sql("ALTER TABLE jobs DROP COLUMN scheduler_sha256")
         await conn.exec_driver_sql("DROP TABLE alembic_version")  # (before migrations)
     await store.close()
-    reopened = await Store.open(store_url)
+    reopened = await Store.open(db_url)
     try:
         job = await reopened.get_job("job-old")
         assert job is not None and job.scheduler_sha256 == ""

@@ -1,7 +1,7 @@
 """A database made by the previous release opens with this one, rows intact, and takes writes.
 
 The previous release created its tables from the ORM without migrations and kept JSON in
-Text columns; ``tests/previous_schema.py`` holds that DDL as it was. Run on SQLite always
+Text columns; ``tests/support/previous_schema.py`` holds that DDL as it was. Run on SQLite always
 and on PostgreSQL when FLOTILLA_TEST_POSTGRES_URL is set.
 """
 
@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from flotilla.core.records import DeviceRecord, ParticipationRecord, RoundCommit
 from flotilla.server.federation.migrations import HEAD
 from flotilla.server.federation.store import Store, async_url
-from tests.previous_schema import DDL
+from tests.support.previous_schema import DDL
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,9 +158,9 @@ async def _schema_version_and_json_types(url: str) -> tuple[str, dict[str, str]]
         await engine.dispose()
 
 
-async def test_a_previous_release_database_is_upgraded_and_keeps_its_rows(store_url: str) -> None:
-    await _previous_release_database(store_url)
-    store = await Store.open(store_url)
+async def test_a_previous_release_database_is_upgraded_and_keeps_its_rows(db_url: str) -> None:
+    await _previous_release_database(db_url)
+    store = await Store.open(db_url)
     try:
         job = await store.get_job("job-1")
         assert job is not None
@@ -220,19 +220,19 @@ async def test_a_previous_release_database_is_upgraded_and_keeps_its_rows(store_
     finally:
         await store.close()
 
-    version, types = await _schema_version_and_json_types(store_url)
+    version, types = await _schema_version_and_json_types(db_url)
     assert version == HEAD
-    if store_url.startswith("postgresql"):
+    if db_url.startswith("postgresql"):
         assert set(types.values()) == {"JSON"}, types
-    reopened = await Store.open(store_url)  # an upgraded database opens again as it is
+    reopened = await Store.open(db_url)  # an upgraded database opens again as it is
     try:
         assert [r.round for r in await reopened.list_rounds("job-1")] == [1, 2]
     finally:
         await reopened.close()
 
 
-async def test_a_fresh_database_is_created_at_the_newest_revision(store_url: str) -> None:
-    engine = _engine(store_url)
+async def test_a_fresh_database_is_created_at_the_newest_revision(db_url: str) -> None:
+    engine = _engine(db_url)
     try:
         async with engine.begin() as conn:
             cascade = " CASCADE" if conn.dialect.name == "postgresql" else ""
@@ -240,7 +240,7 @@ async def test_a_fresh_database_is_created_at_the_newest_revision(store_url: str
                 await conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table}{cascade}")
     finally:
         await engine.dispose()
-    store = await Store.open(store_url)
+    store = await Store.open(db_url)
     await store.close()
-    version, _ = await _schema_version_and_json_types(store_url)
+    version, _ = await _schema_version_and_json_types(db_url)
     assert version == HEAD

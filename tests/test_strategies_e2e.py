@@ -1,22 +1,26 @@
-"""Strategies and codecs chosen per job, run end to end on a real server and real agents.
+"""Strategies and codecs chosen per job, run end to end on the server core and real agents.
 
-One server and one fleet serve several jobs at once (a device serves one job at a time),
-each exercising a different path: a server optimizer with compressed uplink and downlink,
-a robust rule that spools to disk, differential privacy with a budget, and FedBuff.
+One federation and one fleet of six real agents (in one process, over the in-process
+transport) serve several jobs at once (a device serves one job at a time), each exercising
+a different path: a server optimizer with compressed uplink and downlink, a robust rule
+that spools to disk, differential privacy with a budget, and FedBuff.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from flotilla.core.tensors import decode_state
-from tests.conftest import AgentFleet, ServerProcess
+from tests.support.databases import database_url, deployment_database
+from tests.support.inproc import in_process_federation
 
-#: The module's jobs share one fleet and are set up once, in the first test.
+#: The module's jobs share one fleet and run once, for every test.
 pytestmark = pytest.mark.timeout(900)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"
@@ -24,55 +28,72 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"
 MODEL_PARAMS = 64 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    root = tmp_path_factory.mktemp("strategies")
-    server = ServerProcess(root / "state")
-    server.start()
-    fleet = AgentFleet(server, server.token(), root)
-    fleet.start(6)
-    try:
-        yield server
-    finally:
-        fleet.stop()
-        server.stop()
+@dataclass(frozen=True)
+class Federation:
+    """What the module's run left: its state dir and the ``job status --json --rounds``
+    of every job, by key."""
+
+    state_dir: Path
+    aggregator_sha256: dict[str, str]
+    jobs: dict[str, dict[str, Any]]
 
 
-@pytest.fixture(scope="module")
-def jobs(federation: ServerProcess) -> dict[str, dict]:
-    """Submit every job at once, then wait for all of them."""
+def submissions() -> dict[str, tuple[str, ...]]:
     common = ("job.clients_per_round=3", "job.min_quorum=2", "data.alpha=1.0")
-    submitted = {
-        "fedadam_int8": federation.submit(
-            EXAMPLE, *common, "job.rounds=12", "job.name=fedadam-int8",
+    return {
+        "fedadam_int8": (
+            *common, "job.rounds=12", "job.name=fedadam-int8",
             "aggregation.strategy=fedadam", "aggregation.params.eta=0.01",
             "compression.uplink=int8", "compression.error_feedback=true",
             "compression.downlink=fp16",
         ),
-        "median": federation.submit(
-            EXAMPLE, *common, "job.rounds=6", "job.name=median", "aggregation.strategy=median"
-        ),
-        "dp": federation.submit(
-            EXAMPLE, *common, "job.rounds=50", "job.name=private",
+        "median": (*common, "job.rounds=6", "job.name=median", "aggregation.strategy=median"),
+        "dp": (
+            *common, "job.rounds=50", "job.name=private",
             "aggregation.strategy=dp_fedavg", "aggregation.params.noise_multiplier=1.5",
             "aggregation.params.clip_norm=0.5", "aggregation.params.epsilon=6.0",
         ),
         # More rounds than the others: once it has the fleet to itself, devices serve it
         # in consecutive rounds and hold its last broadcast (a device serving another job
         # in between holds that job's model instead), so deltas are certain to be used.
-        "delta": federation.submit(
-            EXAMPLE, *common, "job.rounds=20", "job.name=delta-downlink",
+        "delta": (
+            *common, "job.rounds=20", "job.name=delta-downlink",
             "compression.downlink=int8", "compression.downlink_delta=true",
         ),
-        "fedbuff": federation.submit(
-            EXAMPLE, *common, "job.rounds=8", "job.name=buffered",
+        "fedbuff": (
+            *common, "job.rounds=8", "job.name=buffered",
             "aggregation.strategy=fedbuff", "aggregation.params.buffer_size=2",
         ),
     }  # fmt: skip
-    return {
-        key: federation.status(federation.wait_for(job_id, timeout=600)["id"], rounds=True)
-        for key, job_id in submitted.items()
-    }
+
+
+async def run_jobs(root: Path) -> Federation:
+    """Six agents; submit every job at once, then wait for all of them."""
+    state_dir = root / "state"
+    url = database_url(deployment_database(), root)
+    async with in_process_federation(state_dir, url) as fed:
+        await fed.start_agents(6)
+        submitted = {key: await fed.submit(EXAMPLE, *sets) for key, sets in submissions().items()}
+        jobs = {}
+        for key, job_id in submitted.items():
+            await fed.wait_for(job_id, timeout=600)
+            jobs[key] = await fed.status(job_id, rounds=True)
+        states = {}
+        for key, job_id in submitted.items():
+            job = await fed.store.get_job(job_id)
+            assert job is not None
+            states[key] = job.aggregator_sha256
+    return Federation(state_dir, states, jobs)
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Federation:
+    return asyncio.run(run_jobs(tmp_path_factory.mktemp("strategies")))
+
+
+@pytest.fixture(scope="module")
+def jobs(federation: Federation) -> dict[str, dict]:
+    return federation.jobs
 
 
 def test_server_optimizer_with_compressed_uplink_and_downlink(jobs: dict[str, dict]) -> None:
@@ -92,23 +113,11 @@ def test_server_optimizer_with_compressed_uplink_and_downlink(jobs: dict[str, di
 
 
 def test_fedadam_state_is_committed_with_each_round(
-    jobs: dict[str, dict], federation: ServerProcess
+    jobs: dict[str, dict], federation: Federation
 ) -> None:
-    import asyncio
-
     from flotilla.core.blobstore import BlobStore
-    from flotilla.server.federation.store import Store, default_url
 
-    async def read() -> str:
-        store = await Store.open(default_url(federation.state_dir))
-        try:
-            job = await store.get_job(jobs["fedadam_int8"]["id"])
-            assert job is not None
-            return job.aggregator_sha256
-        finally:
-            await store.close()
-
-    sha = asyncio.run(read())
+    sha = federation.aggregator_sha256["fedadam_int8"]
     assert sha, "a stateful strategy commits its state with the round"
     state = decode_state(BlobStore(federation.state_dir / "blobs").get(sha))
     assert float(state["fedadam/rounds"]) == 12
@@ -119,7 +128,7 @@ def test_fedadam_state_is_committed_with_each_round(
 
 
 def test_robust_rule_spools_to_disk_and_cleans_up(
-    jobs: dict[str, dict], federation: ServerProcess
+    jobs: dict[str, dict], federation: Federation
 ) -> None:
     job = jobs["median"]
     assert job["state"] == "completed", job

@@ -135,6 +135,7 @@ def _peer_id(peers: Peers, name: str) -> str:
     raise AssertionError(f"{name} has not joined: {peers.log(name)[-2000:]}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_four_volunteers_train_survive_kills_catch_up_late_and_resume_after_all_left(
     peers: Peers, tmp_path: Path
@@ -218,15 +219,16 @@ def test_a_volunteer_refuses_a_run_of_another_task_or_coordinator(
     assert "not the coordinator key" in peers.log("pinned")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_federation_server_coordinates_a_volunteer_run_and_lists_it(
-    peers: Peers, tmp_path: Path, db_url: str | None, monkeypatch: pytest.MonkeyPatch
+    peers: Peers, tmp_path: Path, process_db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.conftest import ServerProcess
+    from tests.support.processes import ServerProcess
 
     monkeypatch.setenv("FLOTILLA_CACHE_DIR", peers.env["FLOTILLA_CACHE_DIR"])
     server = ServerProcess(
-        tmp_path / "state", db_url, extra=("--liveness", "6", "--p2p", f"lm={TASK}")
+        tmp_path / "state", process_db_url, extra=("--liveness", "6", "--p2p", f"lm={TASK}")
     )
     server.start(timeout=90)
     try:

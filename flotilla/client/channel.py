@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from flotilla.client.backoff import Backoff
-from flotilla.client.transport import DeviceCredential
+from flotilla.core.work import DeviceCredential
 from flotilla.proto.channel import MAX_MESSAGE_BYTES, open_channel
 
 __all__ = [

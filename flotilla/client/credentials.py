@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from flotilla.client.transport import DeviceCredential
 from flotilla.core.files import write_private
+from flotilla.core.work import DeviceCredential
 
 CREDENTIAL_FILE = "credential.json"
 

@@ -29,21 +29,20 @@ from typing import Generic, Protocol, TypeVar, cast
 from flotilla.core.allreduce import Contribution
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import Unreachable
-from flotilla.core.work import ReportVerdict, Reservation, RoundRef, UploadHeader, WorkOrder
+from flotilla.core.work import (
+    DeviceCredential,
+    ReportVerdict,
+    Reservation,
+    RoundRef,
+    UploadHeader,
+    WorkOrder,
+)
 
 R = TypeVar("R")
 
 #: Bytes as they travel in chunks; views spare model-sized copies.
 Buffer = bytes | memoryview
 ByteStream = AsyncIterable[Buffer]
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceCredential:
-    """What a device proves itself with after enrolment."""
-
-    device_id: str
-    secret: str = field(repr=False)
 
 
 class Request(Generic[R]):

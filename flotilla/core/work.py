@@ -13,6 +13,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceCredential:
+    """What a device proves itself with after enrolment: the server hands it out once and
+    keeps only the secret's hash."""
+
+    device_id: str
+    secret: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
 class RoundRef:
     """One attempt at one round of one job: what every message about a round quotes."""
 

@@ -31,7 +31,8 @@ class ShardTraining:
     shard: Shard
     #: Local files for tasks that read them (``--data``); such a task has ``load_path``.
     data_path: Path | None = None
-    _task: Task | None = field(default=None, init=False)
+    #: The task itself, when the caller has one (an in-process fleet); else loaded by name.
+    task: Task | None = None
     #: The shard's data for the last data section seen (jobs rarely differ in it).
     _data: dict[str, LocalData] = field(default_factory=dict, init=False)
 
@@ -51,9 +52,9 @@ class ShardTraining:
         return LocalRound(int(num_samples), numbers, model_state(model))
 
     def _load(self) -> Task:
-        if self._task is None:
-            self._task = load_task(self.task_name)
-        return self._task
+        if self.task is None:
+            self.task = load_task(self.task_name)
+        return self.task
 
     def _local_data(self, task: Task, data: DataSection) -> LocalData:
         key = data.key()

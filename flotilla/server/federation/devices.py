@@ -12,10 +12,11 @@ from collections.abc import Callable
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError
 from flotilla.core.records import DeviceRecord
+from flotilla.core.work import DeviceCredential
 from flotilla.scheduling import DevicePool
 from flotilla.server.federation import auth
 from flotilla.server.federation.store import Store
-from flotilla.server.federation.views import DeviceInfo, Enrolment
+from flotilla.server.federation.views import DeviceInfo
 
 
 def stored_profile(record: DeviceRecord) -> DeviceProfile:
@@ -40,15 +41,15 @@ class Devices:
         #: Records of devices that authenticated since start, so a poll costs no query.
         self._known: dict[str, DeviceRecord] = {}
 
-    async def enrol(self, token: str, profile: DeviceProfile) -> Enrolment:
+    async def enrol(self, token: str, profile: DeviceProfile) -> DeviceCredential:
         if not token or not await self._store.has_enrol_token(auth.hash_secret(token)):
             raise AuthError("enrolment token refused")
         device_id = "dev-" + uuid.uuid4().hex[:12]
-        credential = auth.new_secret()
+        secret = auth.new_secret()
         now = self._clock()
         record = DeviceRecord(
             id=device_id,
-            credential_hash=auth.hash_secret(credential),
+            credential_hash=auth.hash_secret(secret),
             tasks=tuple(profile.tasks),
             profile=profile.numbers(),
             enrolled_at=now,
@@ -56,7 +57,7 @@ class Devices:
         )
         await self._store.add_device(record)
         self._known[device_id] = record
-        return Enrolment(device_id, credential)
+        return DeviceCredential(device_id, secret)
 
     async def authenticate(self, device_id: str | None, secret: str | None) -> DeviceRecord:
         if not device_id or not secret:

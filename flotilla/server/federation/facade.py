@@ -21,7 +21,7 @@ from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError
 from flotilla.core.records import DeviceRecord, JobRecord
 from flotilla.core.timeouts import Timeouts
-from flotilla.core.work import ReportVerdict, Reservation, RoundRef, UploadHeader
+from flotilla.core.work import DeviceCredential, ReportVerdict, Reservation, RoundRef, UploadHeader
 from flotilla.engine import EngineConfig, EngineServices, TaskRuntime
 from flotilla.engine.backend import Reported, TrainTask
 from flotilla.scheduling import Arbiter, DevicePool, Leases
@@ -33,13 +33,7 @@ from flotilla.server.federation.jobs import Jobs
 from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.store import Store
 from flotilla.server.federation.uploads import Uploads
-from flotilla.server.federation.views import (
-    BlobSlice,
-    DeviceInfo,
-    Enrolment,
-    JobDetail,
-    VolunteerRunInfo,
-)
+from flotilla.server.federation.views import BlobSlice, DeviceInfo, JobDetail, VolunteerRunInfo
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +98,7 @@ class Federation:
 
     # --- callers -------------------------------------------------------------------------
 
-    async def enrol(self, token: str, profile: DeviceProfile) -> Enrolment:
+    async def enrol(self, token: str, profile: DeviceProfile) -> DeviceCredential:
         return await self._devices.enrol(token, profile)
 
     async def authenticate_device(self, device_id: str | None, secret: str | None) -> DeviceRecord:

@@ -1,9 +1,9 @@
 """The values the federation core takes from and hands to its edges (gRPC today, HTTP next).
 
-Frozen and transport-free (the round values a device and the server share, ``RoundRef``,
-``UploadHeader``, ``Reservation``, ``ReportVerdict``, are :mod:`flotilla.core.work`'s, the
-same types the agent uses): an edge converts its own messages to and from these in one
-module (``flotilla.server.grpc.wire`` for gRPC), and the core never sees a wire type.
+Frozen and transport-free: an edge converts its own messages to and from these in one
+module (``flotilla.server.grpc.wire`` for gRPC), and the core never sees a wire type. What a
+device and the server say about a round (``RoundRef``, ``UploadHeader``, ``Reservation``,
+``ReportVerdict``, ``DeviceCredential``) is in :mod:`flotilla.core.work`, shared with the agent.
 """
 
 from __future__ import annotations
@@ -12,14 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from flotilla.core.records import JobRecord, RoundRecord
-
-
-@dataclass(frozen=True, slots=True)
-class Enrolment:
-    """A newly enrolled device: its id and the credential only it holds (never stored)."""
-
-    device_id: str
-    credential: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ class AgentServicer:
         )
         return pb.EnrolReply(
             device_id=enrolment.device_id,
-            credential=enrolment.credential,
+            credential=enrolment.secret,
             protocol_version=PROTOCOL_VERSION,
         )
 

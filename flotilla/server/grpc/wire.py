@@ -15,11 +15,7 @@ from flotilla.engine.backend import Reported, TrainTask
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto.bulk import UpdatePart, blob_chunk
 from flotilla.server.federation import auth
-from flotilla.server.federation.views import (
-    BlobSlice,
-    DeviceInfo,
-    VolunteerRunInfo,
-)
+from flotilla.server.federation.views import BlobSlice, DeviceInfo, VolunteerRunInfo
 
 DEVICE_HEADER = "x-flotilla-device"
 

@@ -8,7 +8,6 @@ test_auth_tls.py.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
@@ -38,8 +37,7 @@ from flotilla.server.federation.store import Store, async_url
 from tests.support.lifetime import die_with_test
 
 DIGITS = "flotilla.tasks.digits:DigitsTask"
-SPEC = Path(__file__).resolve().parent.parent / "examples" / "digits.toml"
-POSTGRES_ENV = "FLOTILLA_TEST_POSTGRES_URL"
+SPEC = Path(__file__).resolve().parents[2] / "examples" / "digits.toml"
 #: What a quick test job looks like: one device per round, rounds that wait long enough
 #: for a test to send a few bad updates before the good one.
 QUICK_JOB = (
@@ -56,16 +54,6 @@ CLIENT_OPTIONS = [
     ("grpc.enable_retries", 0),
 ]
 RPC_TIMEOUT = 15.0
-
-
-def database_params() -> list[Any]:
-    """SQLite always; PostgreSQL too when FLOTILLA_TEST_POSTGRES_URL is set (never skipped)."""
-    params: list[Any] = [pytest.param(None, id="sqlite")]
-    if os.environ.get(POSTGRES_ENV):
-        params.append(
-            pytest.param(os.environ[POSTGRES_ENV], id="postgres", marks=pytest.mark.postgres)
-        )
-    return params
 
 
 @dataclass(frozen=True)
@@ -338,7 +326,7 @@ async def live_server(
     **config: Any,
 ) -> AsyncIterator[LiveServer]:
     """Start a server on 127.0.0.1:0 in this event loop; ``tls`` is (cert, key, ca)."""
-    if db_url is not None:
+    if db_url is not None and db_url.startswith("postgresql"):
         store = await Store.open(db_url)  # a shared PostgreSQL database: start empty
         try:
             await store.wipe()

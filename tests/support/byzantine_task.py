@@ -1,7 +1,8 @@
-"""A test-only digits task whose agent turns Byzantine when its own process says so.
+"""A test-only digits task whose agent turns Byzantine when told so.
 
-An agent process started with ``FLOTILLA_TEST_BYZANTINE=1`` is Byzantine; every other one
-is an honest :class:`~flotilla.tasks.digits.DigitsTask`. The attack comes from the job
+A task made with ``ByzantineDigits(byzantine=True)`` (an in-process fleet), or loaded by name
+in an agent process started with ``FLOTILLA_TEST_BYZANTINE=1``, is Byzantine; every other
+one is an honest :class:`~flotilla.tasks.digits.DigitsTask`. The attack comes from the job
 (``train.params.attack``), so one fleet serves every job and ``attack = "none"`` (the
 default) makes the whole fleet honest. The platform computes ``delta = local - global``
 after :meth:`train` returns, so a model-poisoning attack leaves the model at
@@ -76,9 +77,12 @@ def alie_z(n: int, f: int) -> float:
 class ByzantineDigits(DigitsTask):
     """:class:`DigitsTask`, plus the attack named in ``config.params`` on Byzantine agents."""
 
-    def __init__(self) -> None:
+    def __init__(self, byzantine: bool | None = None) -> None:
         super().__init__()
-        self.byzantine = os.environ.get(BYZANTINE_ENV, "") == "1"
+        #: Given by an in-process fleet; a process reads it from its environment.
+        self.byzantine = (
+            os.environ.get(BYZANTINE_ENV, "") == "1" if byzantine is None else byzantine
+        )
         self._shard = Shard(0, 1)
         self._alpha = 0.5
 

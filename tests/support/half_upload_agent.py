@@ -1,6 +1,6 @@
 """A real agent process that dies by SIGKILL halfway through uploading its update.
 
-Usage: python tests/half_upload_agent.py HOST:PORT ENROL_TOKEN TASK
+Usage: python tests/support/half_upload_agent.py HOST:PORT ENROL_TOKEN TASK
 Prints its device id, then kills itself mid-stream. Used to prove a partial upload
 leaves nothing behind.
 """
