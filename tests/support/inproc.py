@@ -34,7 +34,7 @@ from flotilla.server.federation.facade import Federation, FederationConfig
 from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.store import Store
 from flotilla.server.grpc.wire import device_info_to_pb, job_info
-from flotilla.server.hosting.rendezvous import Rendezvous
+from flotilla.server.hosting.rendezvous import HostedRendezvous
 from flotilla.server.hosting.volunteers import VolunteerHost
 from flotilla.tasks import Shard, ShardTraining, Task
 from flotilla.tasks.runtime import LocalTasks
@@ -189,7 +189,7 @@ async def in_process_federation(
     store = await Store.open(db_url)
     if store.dialect == "postgresql":
         await store.wipe()
-    rendezvous = Rendezvous(state_dir / "rendezvous")
+    rendezvous = HostedRendezvous(state_dir / "rendezvous")
     hosted = Hosted(rendezvous=rendezvous, volunteers=VolunteerHost((), state_dir / "volunteer"))
     federation = Federation(
         FederationConfig(state_dir=state_dir, timeouts=timeouts, engine=engine or EngineConfig()),
