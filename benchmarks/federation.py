@@ -374,7 +374,7 @@ async def run_federation(
                 },
                 "benchmark",
             )
-            async with RemoteServer(server.address, operator, timeout_s=60.0) as remote:
+            async with RemoteServer(server.address, operator) as remote:
                 t_submit = time.perf_counter()
                 info = await remote.submit(spec)
                 rss_before = rss.reset_peak()

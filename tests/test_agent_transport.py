@@ -422,7 +422,7 @@ async def test_a_stale_round_refusal_gives_the_round_up_and_polls_again() -> Non
 async def test_a_round_closed_while_training_is_not_uploaded() -> None:
     server = FakeServer(orders=[order()], heartbeat_open=False)
     trainer = CannedTrainer(hold=server.beaten)  # training lasts until a heartbeat answered
-    agent, _, _ = make_agent(server, trainer, timeouts=Timeouts(heartbeat_every=0.01))
+    agent, _, _ = make_agent(server, trainer, timeouts=Timeouts(heartbeat_every_s=0.01))
     await run_until(agent, server.drained)
 
     assert trainer.models == [MODEL]

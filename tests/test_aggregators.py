@@ -26,7 +26,7 @@ from flotilla.aggregation import (
 from flotilla.aggregation import robust as robust_mod
 from flotilla.core.errors import BudgetExhausted, SpecError, UpdateRejected
 from flotilla.core.tensors import ModelState, decode_state, encode_state, state_spec
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 
 ROBUST = ("median", "trimmed_mean", "krum", "multikrum", "centered_clipping")
 FEDOPT = ("fedadam", "fedyogi", "fedadagrad")
@@ -699,11 +699,10 @@ def test_staleness_functions() -> None:
 def test_importing_aggregation_loads_no_heavy_packages() -> None:
     code = "import json, sys, flotilla.aggregation; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run(
-        [sys.executable, "-c", code],
+        bound([sys.executable, "-c", code]),
         capture_output=True,
         text=True,
         check=True,
-        preexec_fn=die_with_test,
     )
     loaded = json.loads(out.stdout)
     heavy = ("torch", "scipy", "dp_accounting", "flotilla.server", "flotilla.engine")

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from flotilla.core.device import DeviceProfile
-from flotilla.scheduling import Arbiter, DevicePool, Grant, Leases, RandomSelector, Request
+from flotilla.scheduling import Arbiter, DevicePool, DeviceRequest, Grant, Leases, RandomSelector
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,8 +25,8 @@ def add(pool: DevicePool, n: int, task: str = "t", start: int = 0) -> None:
         pool.seen(DeviceProfile(f"d{i:03d}", tasks=(task,)))
 
 
-def request(job: str, want: int, quorum: int = 1, task: str = "t") -> Request:
-    return Request(job, task, want, quorum, RandomSelector(random.Random(job)))
+def request(job: str, want: int, quorum: int = 1, task: str = "t") -> DeviceRequest:
+    return DeviceRequest(job, task, want, quorum, RandomSelector(random.Random(job)))
 
 
 def claim(pool: DevicePool, grant: Grant) -> list[str]:
@@ -129,7 +129,7 @@ class Broken(RandomSelector):
 async def test_a_failing_selector_fails_its_job_not_the_others() -> None:
     pool = pool_with(6)
     arbiter = arbiter_for(pool, grace_s=0.0)
-    bad = Request("bad", "t", 3, 1, Broken(random.Random(0)))
+    bad = DeviceRequest("bad", "t", 3, 1, Broken(random.Random(0)))
     results = await asyncio.wait_for(
         asyncio.gather(arbiter.acquire(bad), arbiter.acquire(request("good", 3)),
                        return_exceptions=True),

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.lifetime import bound
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "flotilla"
 
@@ -450,7 +452,7 @@ def _lint_imports() -> list[str]:
 def _run_lint_imports(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """lint-imports over the tree at ``root`` (it reads ``root``/pyproject.toml)."""
     return subprocess.run(
-        [*_lint_imports(), "--no-cache", *args],
+        bound([*_lint_imports(), "--no-cache", *args]),
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
         capture_output=True,

@@ -391,7 +391,7 @@ async def test_agent_completes_a_round_over_tls(
         trainer=LocalTrainer(ShardTraining(DIGITS, Shard(0, 1))),
         state_dir=tmp_path / "agent",
         tls_ca=pki.ca,
-        timeouts=Timeouts(heartbeat_every=1.0),
+        timeouts=Timeouts(heartbeat_every_s=1.0),
         speed_test_bytes=64 * 1024,
     )
     agent = Agent(config)

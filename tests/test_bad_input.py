@@ -483,7 +483,7 @@ async def test_a_reserved_upload_streams_and_gives_its_room_back(tmp_path: Path)
 
 
 async def test_unused_reservations_expire(tmp_path: Path) -> None:
-    timeouts = Timeouts(liveness=30.0, poll_hold=5.0, upload_idle=0.5)
+    timeouts = Timeouts(liveness_s=30.0, poll_hold_s=5.0, upload_idle_s=0.5)
     async with live_server(tmp_path / "state", timeouts=timeouts) as live:
         device = await live.enrol()
         await live.submit()

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 from flotilla.core.errors import SpecError
 from flotilla.core.records import JobRecord
 from tests.support.inproc import InProcessFederation
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 from tests.support.processes import DIGITS, AgentFleet, ServerProcess, flotilla
 
 pytestmark = pytest.mark.timeout(600)
@@ -230,16 +230,17 @@ def test_agent_killed_mid_upload_leaves_nothing(
 ) -> None:
     token = fleet.token
     half = subprocess.Popen(
-        [
-            sys.executable,
-            str(Path(__file__).parent / "support" / "half_upload_agent.py"),
-            server.address,
-            token,
-            DIGITS,
-        ],
+        bound(
+            [
+                sys.executable,
+                str(Path(__file__).parent / "support" / "half_upload_agent.py"),
+                server.address,
+                token,
+                DIGITS,
+            ]
+        ),
         stdout=subprocess.PIPE,
         text=True,
-        preexec_fn=die_with_test,
     )
     assert half.stdout is not None
     dying_device = half.stdout.readline().strip()

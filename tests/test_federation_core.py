@@ -56,7 +56,7 @@ async def core(tmp_path: Path) -> AsyncIterator[tuple[Federation, Store, FakeRen
     rendezvous = FakeRendezvous()
     config = FederationConfig(
         state_dir=tmp_path,
-        timeouts=Timeouts(poll_hold=0.05, liveness=30.0),
+        timeouts=Timeouts(poll_hold_s=0.05, liveness_s=30.0),
         engine=EngineConfig(selection_grace_s=0.1),
     )
     federation = Federation(

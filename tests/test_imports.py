@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 
 SUBPACKAGES = [
     "core", "compression", "aggregation", "scheduling", "engine", "client", "tasks", "server",
@@ -91,15 +91,16 @@ def loaded_by() -> dict[str, set[str]]:
     scripts.update({f"{name}.*": _IMPORT_ALL.format(name=name) for name in PACKAGE_CHECKS})
     procs = {
         key: subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                f"{code}\nimport json, sys\nprint(json.dumps(list(sys.modules)))",
-            ],
+            bound(
+                [
+                    sys.executable,
+                    "-c",
+                    f"{code}\nimport json, sys\nprint(json.dumps(list(sys.modules)))",
+                ]
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=die_with_test,
         )
         for key, code in scripts.items()
     }

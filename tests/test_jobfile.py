@@ -11,7 +11,7 @@ import pytest
 
 from flotilla.core.errors import SpecError
 from flotilla.core.jobfile import load_job_specs
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,11 +45,10 @@ def _loaded_modules(code: str) -> tuple[int, set[str]]:
     """Exit code and the modules a fresh interpreter holds after running ``code``."""
     script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
     proc = subprocess.run(
-        [sys.executable, "-c", script],
+        bound([sys.executable, "-c", script]),
         capture_output=True,
         text=True,
         timeout=60,
-        preexec_fn=die_with_test,
         cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
     )

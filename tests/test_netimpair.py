@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 from tests.support.netimpair import PREFIX, Impairment, Network, impaired_network
 
 PORT = 9000
@@ -172,11 +172,10 @@ def tcp_mbit(net: Network, seconds: float) -> float:
 
 def namespaces() -> set[str]:
     out = subprocess.run(
-        ["ip", "netns", "list"],
+        bound(["ip", "netns", "list"]),
         capture_output=True,
         text=True,
         timeout=10,
-        preexec_fn=die_with_test,
     )
     return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
 
@@ -281,20 +280,17 @@ def test_cleanup_on_normal_exit_and_on_exception() -> None:
 @pytest.mark.timeout(60)
 def test_stale_namespaces_of_dead_runs_are_swept() -> None:
     """A namespace left by a dead creator is deleted (its processes killed); a live one is kept."""
-    dead = subprocess.Popen(["true"], preexec_fn=die_with_test)
+    dead = subprocess.Popen(bound(["true"]))
     dead.wait(timeout=10)
-    live = subprocess.Popen(["sleep", "60"], preexec_fn=die_with_test)
+    live = subprocess.Popen(bound(["sleep", "60"]))
     stale_ns, live_ns = f"{PREFIX}{dead.pid}-000000-h0", f"{PREFIX}{live.pid}-000000-h0"
     leftover = None
     try:
         for name in (stale_ns, live_ns):
-            subprocess.run(
-                ["ip", "netns", "add", name], check=True, timeout=10, preexec_fn=die_with_test
-            )
+            subprocess.run(bound(["ip", "netns", "add", name]), check=True, timeout=10)
         leftover = subprocess.Popen(
-            ["ip", "netns", "exec", stale_ns, "sleep", "60"],
+            bound(["ip", "netns", "exec", stale_ns, "sleep", "60"]),
             start_new_session=True,
-            preexec_fn=die_with_test,
         )
         with impaired_network(1):
             assert stale_ns not in namespaces()
@@ -303,10 +299,9 @@ def test_stale_namespaces_of_dead_runs_are_swept() -> None:
     finally:
         for name in (stale_ns, live_ns):
             subprocess.run(
-                ["ip", "netns", "del", name],
+                bound(["ip", "netns", "del", name]),
                 capture_output=True,
                 timeout=10,
-                preexec_fn=die_with_test,
             )
         for proc in (leftover, live):
             if proc is not None and proc.poll() is None:

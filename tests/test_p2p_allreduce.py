@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from flotilla.p2p import start_dht
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 
 PEER = Path(__file__).parent / "support" / "peers" / "allreduce_peer.py"
 SIZE = 10_000_000
@@ -31,10 +31,10 @@ class Peer:
     def __init__(self, rank: int, maddr: str) -> None:
         self.rank = rank
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), "--initial-peers", maddr, "--rank", str(rank),
-             "--size", str(SIZE), "--group-size", str(PEERS), "--timeout", str(TIMEOUT_S)],
+            bound([sys.executable, str(PEER), "--initial-peers", maddr, "--rank", str(rank),
+             "--size", str(SIZE), "--group-size", str(PEERS), "--timeout", str(TIMEOUT_S)]),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, start_new_session=True, preexec_fn=die_with_test,
+            text=True, start_new_session=True,
         )  # fmt: skip
 
     def expect(self, word: str) -> None:

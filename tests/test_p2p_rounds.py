@@ -248,9 +248,9 @@ def test_a_peer_the_server_did_not_name_cannot_join_the_group(tmp_path: Path) ->
 def test_group_plans_name_the_peers_devices_announced_and_no_clashing_one(
     tmp_path: Path,
 ) -> None:
-    from flotilla.server.hosting.rendezvous import Rendezvous
+    from flotilla.server.hosting.rendezvous import HostedRendezvous
 
-    rendezvous = Rendezvous(tmp_path)  # its peer process starts only when asked for
+    rendezvous = HostedRendezvous(tmp_path)  # its peer process starts only when asked for
     p, q = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "Qm" + "a" * 44
     for device, peer in (("a", p), ("b", p), ("c", q)):
         rendezvous.peer_seen(device, peer)

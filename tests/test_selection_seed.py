@@ -54,7 +54,7 @@ async def _round_one(live: LiveServer, devices: list[Device], seed: int) -> froz
 
 
 async def test_the_same_spec_and_seed_select_the_same_devices_in_round_1(tmp_path: Path) -> None:
-    timeouts = Timeouts(liveness=30.0, poll_hold=0.05)
+    timeouts = Timeouts(liveness_s=30.0, poll_hold_s=0.05)
     async with live_server(tmp_path / "state", timeouts=timeouts) as live:
         devices = [await live.enrol() for _ in range(DEVICES)]
         first = await _round_one(live, devices, seed=7)

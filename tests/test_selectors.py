@@ -79,7 +79,7 @@ def play(pool: DevicePool, round_no: int, picked: list[str], loss: float = 1.0) 
             times,
             (),
             selected=tuple(picked),
-            compute={d: 400.0 / devices[d].gflops for d in times},  # type: ignore[union-attr]
+            compute_s={d: 400.0 / devices[d].gflops for d in times},  # type: ignore[union-attr]
             losses=dict.fromkeys(times, loss),
             samples=dict.fromkeys(times, 50),
         )

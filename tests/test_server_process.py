@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 
 PROBE = """
 import json
@@ -20,13 +20,12 @@ print(json.dumps([(i["filepath"], i["num_threads"]) for i in threadpool_info()
 
 def test_single_threaded_blas_reaches_numpy_and_scipy_blas() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", PROBE],
+        bound([sys.executable, "-c", PROBE]),
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
         env={"OPENBLAS_NUM_THREADS": "2", "PATH": ""},
-        preexec_fn=die_with_test,
     )
     libraries = json.loads(out.stdout)
     assert len(libraries) >= 2, libraries  # numpy's and SciPy's (loaded by the call)

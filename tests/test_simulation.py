@@ -31,7 +31,7 @@ from flotilla.simulation import (
 )
 from tests.support.experiments import experiment_file, rows
 from tests.support.inproc import InProcessFederation
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -291,9 +291,7 @@ def test_client_state_lives_in_a_sparse_memory_mapped_file(tmp_path: Path) -> No
 
 def simulate(path: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "flotilla", "simulate", str(path), "--out", str(out), *args]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, preexec_fn=die_with_test
-    )
+    done = subprocess.run(bound(cmd), capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -533,12 +531,11 @@ def test_ray_workers_listen_on_loopback_only_and_train_like_local_ones(tmp_path:
     script = tmp_path / "ray_check.py"
     script.write_text(RAY_CHECK)
     done = subprocess.run(
-        [sys.executable, str(script)],
+        bound([sys.executable, str(script)]),
         capture_output=True,
         text=True,
         timeout=240,
         cwd=ROOT,
-        preexec_fn=die_with_test,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -126,12 +126,11 @@ def test_import_is_light() -> None:
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     result = subprocess.run(
-        [sys.executable, "-c", code],
+        bound([sys.executable, "-c", code]),
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
-        preexec_fn=die_with_test,
     )
     assert result.returncode == 0, result.stderr
 

@@ -11,22 +11,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 
 TESTS = Path(__file__).resolve().parent
 SPAWNERS = {("subprocess", "Popen"), ("subprocess", "run"), ("asyncio", "create_subprocess_exec")}
 
 
+def _is_bound(arg: ast.expr) -> bool:
+    if isinstance(arg, ast.Starred):  # create_subprocess_exec(*bound([...]))
+        arg = arg.value
+    return isinstance(arg, ast.Call) and getattr(arg.func, "id", "") == "bound"
+
+
 def _spawn_calls(path: Path) -> list[tuple[int, bool]]:
-    """(line, passes preexec_fn) for each process-starting call in a test module."""
+    """(line, argv is bound) for each process-starting call in a test module."""
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         owner = node.func.value
         if isinstance(owner, ast.Name) and (owner.id, node.func.attr) in SPAWNERS:
-            kwargs = {k.arg for k in node.keywords}
-            out.append((node.lineno, "preexec_fn" in kwargs or None in kwargs))
+            out.append((node.lineno, bool(node.args) and _is_bound(node.args[0])))
     return out
 
 
@@ -35,10 +40,10 @@ def test_every_process_a_test_starts_is_bound_to_the_test_run() -> None:
     unbound = [
         f"{path.relative_to(TESTS)}:{line}"
         for path in sorted(TESTS.rglob("*.py"))
-        for line, bound in _spawn_calls(path)
-        if not bound
+        for line, ok in _spawn_calls(path)
+        if not ok
     ]
-    assert not unbound, f"processes started without preexec_fn=die_with_test: {unbound}"
+    assert not unbound, f"processes started without bound(argv): {unbound}"
 
 
 @pytest.mark.timeout(30)
@@ -46,17 +51,18 @@ def test_a_child_dies_when_the_process_that_started_it_is_killed(tmp_path: Path)
     pid_file = tmp_path / "grandchild.pid"
     # The middle process starts a sleeper bound to it, then is SIGKILLed, as pytest may be.
     middle = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import subprocess, sys, time\n"
-            "from tests.support.lifetime import die_with_test\n"
-            "p = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_test)\n"
-            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
-            "time.sleep(60)\n",
-        ],
+        bound(
+            [
+                sys.executable,
+                "-c",
+                "import subprocess, time\n"
+                "from tests.support.lifetime import bound\n"
+                "p = subprocess.Popen(bound(['sleep', '60']))\n"
+                f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+                "time.sleep(60)\n",
+            ]
+        ),
         cwd=TESTS.parent,
-        preexec_fn=die_with_test,
     )
     deadline = time.monotonic() + 20
     while not pid_file.exists() or not pid_file.read_text():

@@ -23,7 +23,7 @@ from flotilla.core.spec import CompressionSection, DataSection, TrainSection
 from flotilla.core.tensors import ModelState, TensorSpec, decode_state, encode_state
 from flotilla.simulation.backend import SimulatedUplink
 from flotilla.tasks import Shard, ShardTraining
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 
 LAYOUT = (
     TensorSpec("fc.weight", "F32", (64, 32)),
@@ -149,11 +149,10 @@ def test_the_simulator_gets_the_pipeline_without_the_agent() -> None:
         "print(sorted(m for m in sys.modules if m.startswith('flotilla.client') or m == 'grpc'))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code],
+        bound([sys.executable, "-c", code]),
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
-        preexec_fn=die_with_test,
     )
     assert out.stdout.strip() == "[]"

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from flotilla.tasks.charlm import CharLMTask
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 
 TASK = "flotilla.tasks.charlm:CharLMTask"
 AVERAGING_TIMEOUT_S = 15.0
@@ -47,14 +47,13 @@ class Peers:
     def start(self, name: str, *args: str) -> subprocess.Popen[str]:
         err = open(self.workdir / f"{name}.err", "w")  # noqa: SIM115 (closed with the process)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "flotilla", *args],
+            bound([sys.executable, "-m", "flotilla", *args]),
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
             env=self.env,
             cwd=self.workdir,
             start_new_session=True,
-            preexec_fn=die_with_test,
         )
         self.procs.append(proc)
         return proc
@@ -98,10 +97,9 @@ def _volunteer(peers: Peers, name: str, run: str, maddr: str, *extra: str) -> An
 
 def _status(peers: Peers, run: str, maddr: str) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "flotilla", "volunteer", "status", "--run", run,
-         "--initial-peers", maddr, "--json"],
+        bound([sys.executable, "-m", "flotilla", "volunteer", "status", "--run", run,
+         "--initial-peers", maddr, "--json"]),
         capture_output=True, text=True, env=peers.env, timeout=60, check=True,
-        preexec_fn=die_with_test,
     )  # fmt: skip
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
@@ -235,10 +233,9 @@ def test_a_federation_server_coordinates_a_volunteer_run_and_lists_it(
 
         def runs() -> list[dict[str, Any]]:
             out = subprocess.run(
-                [sys.executable, "-m", "flotilla", "volunteer", "runs", "--server",
-                 server.address, "--state-dir", str(server.state_dir), "--json"],
+                bound([sys.executable, "-m", "flotilla", "volunteer", "runs", "--server",
+                 server.address, "--state-dir", str(server.state_dir), "--json"]),
                 capture_output=True, text=True, env=peers.env, timeout=60, check=True,
-                preexec_fn=die_with_test,
             )  # fmt: skip
             return json.loads(out.stdout)  # type: ignore[no-any-return]
 
@@ -260,10 +257,9 @@ def test_a_federation_server_coordinates_a_volunteer_run_and_lists_it(
         )["status"]
         assert status["loss_history"] and status["loss_history"][-1][1] < 4.5
         unauthenticated = subprocess.run(
-            [sys.executable, "-m", "flotilla", "volunteer", "runs", "--server",
-             server.address, "--token", "not-a-token"],
+            bound([sys.executable, "-m", "flotilla", "volunteer", "runs", "--server",
+             server.address, "--token", "not-a-token"]),
             capture_output=True, text=True, env=peers.env, timeout=60,
-            preexec_fn=die_with_test,
         )  # fmt: skip
         assert unauthenticated.returncode == 3, unauthenticated.stderr
     finally:

@@ -206,7 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
         db_url=args.db,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
-        timeouts=Timeouts(liveness=args.liveness),
+        timeouts=Timeouts(liveness_s=args.liveness),
     )
 
     async def serve() -> int:

@@ -59,11 +59,12 @@ def start_agents(port: int, token: str, count: int, logs: Path) -> list[subproce
     return procs
 
 
-def stop_agents(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+def stop_agents(procs: list[subprocess.Popen[bytes]], stop_s: float) -> None:
+    """SIGINT every agent; kill those still running ``stop_s`` later."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + stop_s
     for proc in procs:
         try:
             proc.wait(max(0.1, deadline - time.monotonic()))
@@ -132,7 +133,7 @@ async def _federate(state: Path, agents: int, rounds: int, jobs: int, quiet: boo
             bar.close()
         return [await _summary(server.store, job_id) for job_id in ids]
     finally:
-        await asyncio.to_thread(stop_agents, procs)
+        await asyncio.to_thread(stop_agents, procs, server.config.timeouts.child_stop_s)
         await server.stop()
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ import grpc
 from flotilla.core.blobs import BlobAssembler
 from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError
 from flotilla.core.spec import JobSpec
+from flotilla.core.timeouts import Timeouts
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
 from flotilla.proto.channel import open_channel
@@ -86,12 +87,13 @@ def job_json(info: pb.JobInfo, with_rounds: bool = False) -> dict[str, Any]:
 
 @dataclass
 class RemoteServer:
-    """Async operator calls with deadlines; gRPC errors become Flotilla errors."""
+    """Async operator calls with deadlines (``timeouts.operator_s`` per call,
+    ``timeouts.export_s`` for a model export); gRPC errors become Flotilla errors."""
 
     target: str
     token: str
     tls_ca: Path | None = None
-    timeout_s: float = 60.0
+    timeouts: Timeouts = field(default_factory=Timeouts)
 
     async def __aenter__(self) -> RemoteServer:
         self._channel = open_channel(self.target, self.tls_ca)
@@ -108,7 +110,7 @@ class RemoteServer:
 
     async def _call(self, method: Any, request: Any) -> Any:
         try:
-            return await method(request, metadata=self._md, timeout=self.timeout_s)
+            return await method(request, metadata=self._md, timeout=self.timeouts.operator_s)
         except grpc.aio.AioRpcError as exc:
             raise _translate(exc) from exc
 
@@ -141,7 +143,7 @@ class RemoteServer:
 
     async def export(self, job_id: str, max_bytes: int = 2**34) -> bytes:
         call = self._stub.ExportModel(
-            pb.GetJobRequest(job_id=job_id), metadata=self._md, timeout=self.timeout_s * 10
+            pb.GetJobRequest(job_id=job_id), metadata=self._md, timeout=self.timeouts.export_s
         )
         assembler: BlobAssembler | None = None
         try:

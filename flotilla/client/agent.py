@@ -55,12 +55,8 @@ from flotilla.core.work import UploadHeader, WorkOrder
 
 log = logging.getLogger(__name__)
 
-#: Seconds kept after a server-less round's all-reduce for reporting and uploading.
-REPORT_MARGIN_S = 5.0
 #: Pause before a reporter the server held and did not ask to upload reports again.
-REPORT_EVERY_S = 0.1
-#: Seconds the goodbye to the server may take when the agent stops.
-LEAVE_TIMEOUT_S = 2.0
+REREPORT_PAUSE_S = 0.1
 #: Errors that refuse one request of a round: give the round up and poll again at once.
 REFUSED = (UpdateRejected, NotFoundError)
 
@@ -162,7 +158,7 @@ class Agent:
         )
 
     async def _enrol(self, profile: DeviceProfile) -> DeviceCredential:
-        enrol = Enrol(self.config.token, profile, self.config.timeouts.enrol)
+        enrol = Enrol(self.config.token, profile, self.config.timeouts.enrol_s)
         try:
             credential = await self._transport.send(enrol)
         except AuthError as exc:
@@ -187,7 +183,7 @@ class Agent:
         start = time.perf_counter()
         try:
             sent = await self._transport.send(
-                SpeedTest(self._me, chunks(), self.config.timeouts.transfer)
+                SpeedTest(self._me, chunks(), self.config.timeouts.transfer_s)
             )
         except FlotillaError as exc:
             log.warning("speed test failed (%s); reporting no upload rate", exc)
@@ -220,7 +216,7 @@ class Agent:
             await self._pause("after a failed round")
 
     async def _poll(self) -> WorkOrder | None:
-        poll = Poll(self._me, self._peer_id, self._pending_profile, self.config.timeouts.poll)
+        poll = Poll(self._me, self._peer_id, self._pending_profile, self.config.timeouts.poll_s)
         task = await self._transport.send(poll)
         self._pending_profile = None
         return task
@@ -273,7 +269,7 @@ class Agent:
         if self._averager is None:
             self._averager = UpdateAverager(self._p2p)
         me = Contribution(self.device_id, outcome.num_samples, outcome.metrics)
-        left = task.deadline - time.time() - REPORT_MARGIN_S
+        left = task.deadline - time.time() - self.config.timeouts.report_margin_s
         token = task.round_token[:8]  # the group key is a secret: log only its start
         log.info("round %d of %s: averaging in group %s...", task.round, task.job_id, token)
         agreed = await asyncio.to_thread(
@@ -292,7 +288,7 @@ class Agent:
             reverted=agreed.reverted,
         )
         timeouts = self.config.timeouts
-        hold_s = timeouts.report_hold + timeouts.heartbeat
+        hold_s = timeouts.report_hold_s + timeouts.heartbeat_s
         while round_open.is_set() and time.time() < task.deadline:
             reply = await self._transport.send(ReportAverage(self._me, task.ref, report, hold_s))
             if reply.upload:
@@ -301,12 +297,12 @@ class Agent:
                 return
             if not reply.round_open:
                 return
-            await asyncio.sleep(REPORT_EVERY_S)
+            await asyncio.sleep(REREPORT_PAUSE_S)
 
     async def _heartbeat(self, round_token: str, round_open: asyncio.Event) -> None:
         while True:
-            await asyncio.sleep(self.config.timeouts.heartbeat_every)
-            beat = Heartbeat(self._me, round_token, self.config.timeouts.heartbeat)
+            await asyncio.sleep(self.config.timeouts.heartbeat_every_s)
+            beat = Heartbeat(self._me, round_token, self.config.timeouts.heartbeat_s)
             with contextlib.suppress(FlotillaError):
                 if not await self._transport.send(beat):
                     round_open.clear()
@@ -328,7 +324,7 @@ class Agent:
         if size > self.config.max_model_bytes:
             raise FlotillaError(f"model of {size} bytes is over this device's limit")
         assembler = BlobAssembler(size, sha256, self.config.max_model_bytes)
-        fetch = FetchModel(self._me, task.job_id, sha256, self.config.timeouts.transfer)
+        fetch = FetchModel(self._me, task.job_id, sha256, self.config.timeouts.transfer_s)
         async for chunk in await self._transport.send(fetch):
             assembler.add(chunk)
         return assembler.finish()
@@ -346,7 +342,8 @@ class Agent:
     async def _submit(self, task: WorkOrder, outcome: TrainOutcome) -> None:
         # Wait for room on the server first (while heartbeats go on), then stream at once.
         size = len(outcome.payload)
-        wait_s = max(1.0, task.deadline - time.time() + 5.0)
+        grace_s = self.config.timeouts.upload_grace_s
+        wait_s = max(1.0, task.deadline - time.time() + grace_s)
         reserved = await self._transport.send(ReserveUpload(self._me, task.ref, size, wait_s))
         header = UploadHeader(
             ref=task.ref,
@@ -362,7 +359,7 @@ class Agent:
             for piece in iter_chunks(outcome.payload):
                 yield piece
 
-        submit = SubmitUpdate(self._me, header, chunks(), self.config.timeouts.transfer)
+        submit = SubmitUpdate(self._me, header, chunks(), self.config.timeouts.transfer_s)
         receipt = await self._transport.send(submit)
         log.info("round %d of %s: %s", task.round, task.job_id, receipt.detail)
 
@@ -370,7 +367,8 @@ class Agent:
         if self._credential is None:
             return
         with contextlib.suppress(FlotillaError, asyncio.CancelledError):
-            await self._transport.send(Leave(self._me, "agent stopped", LEAVE_TIMEOUT_S))
+            leave = Leave(self._me, "agent stopped", self.config.timeouts.leave_s)
+            await self._transport.send(leave)
 
 
 def grpc_transport(config: AgentConfig) -> AgentTransport:

@@ -11,7 +11,7 @@
 - ``records``: the durable rows (jobs, rounds, participations, devices).
 - ``commit_rules``: what every ledger enforces on round commits and job states.
 - ``round_config``: :class:`RoundConfig`, the config a training task carries, parsed.
-- ``timeouts``: :class:`Timeouts`, every network deadline in one place.
+- ``timeouts``: :class:`Timeouts`, every network and process wait in one place.
 - ``files``: private files for secrets.
 """
 

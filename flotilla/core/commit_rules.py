@@ -10,7 +10,7 @@ from flotilla.core.errors import JobStateError, RoundConflict
 from flotilla.core.records import JOB_STATES, TERMINAL_STATES, RoundCommit
 
 
-def check_state(state: str) -> None:
+def check_job_state(state: str) -> None:
     """ValueError unless ``state`` is one of :data:`JOB_STATES`."""
     if state not in JOB_STATES:
         raise ValueError(f"unknown job state {state!r}; expected one of {', '.join(JOB_STATES)}")

@@ -1,4 +1,12 @@
-"""Every network wait in one place, so none is ever unbounded."""
+"""Every network and process wait in one place, so none is ever unbounded.
+
+Each field is a duration in seconds (hence ``_s``). Parts take the ``Timeouts`` (or the
+one field they need) from whoever builds them: ``AgentConfig``, ``ServerConfig``,
+``VolunteerOptions`` and ``RemoteServer`` carry one; a part built without one gets these
+defaults. Waits that belong to one job or run travel with it instead, because its author
+sets them: the job spec's ``round_deadline_s``, a p2p plan's ``matchmaking_s`` and
+``chunk_timeout_s``, a volunteer run record's averaging timeouts (hivemind's names).
+"""
 
 from __future__ import annotations
 
@@ -7,24 +15,58 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    """Deadlines in seconds for each phase of the agent protocol."""
+    """Deadlines in seconds for each phase of the agent protocol and each child process."""
 
-    connect: float = 10.0
-    enrol: float = 15.0
+    # --- agent protocol (both sides) ---------------------------------------------------
+    connect_s: float = 10.0
+    enrol_s: float = 15.0
     #: How long the server holds a poll open when it has no task.
-    poll_hold: float = 10.0
+    poll_hold_s: float = 10.0
     #: Client deadline for one poll: the hold plus slack.
-    poll: float = 20.0
-    heartbeat: float = 5.0
+    poll_s: float = 20.0
+    heartbeat_s: float = 5.0
     #: How long the server holds a server-less round's report that was not asked to upload
-    #: (until the round closes or it is asked); the agent's deadline adds ``heartbeat``.
-    report_hold: float = 5.0
+    #: (until the round closes or it is asked); the agent's deadline adds ``heartbeat_s``.
+    report_hold_s: float = 5.0
     #: Per-call deadline for streaming a model or an update, whatever its size.
-    transfer: float = 300.0
-    operator: float = 60.0
+    transfer_s: float = 300.0
+    #: Deadline for one operator call (submit, list, cancel...).
+    operator_s: float = 60.0
+    #: Deadline for streaming a model export to an operator.
+    export_s: float = 600.0
     #: An upload that sends nothing for this long is dropped (its buffer freed).
-    upload_idle: float = 15.0
+    upload_idle_s: float = 15.0
     #: A device silent for this long is considered gone and its slot freed.
-    liveness: float = 30.0
+    liveness_s: float = 30.0
     #: Seconds between heartbeats while an agent trains.
-    heartbeat_every: float = 5.0
+    heartbeat_every_s: float = 5.0
+    #: An agent stops reporting a server-less round this long before the round's deadline.
+    report_margin_s: float = 5.0
+    #: Deadline for the agent's goodbye when it stops (best effort).
+    leave_s: float = 2.0
+    #: An upload may finish this long after its round's deadline (a device that started in
+    #: time is not cut off by the clock it raced).
+    upload_grace_s: float = 5.0
+
+    #: Calls in flight when the server stops get this long to finish.
+    server_stop_s: float = 1.0
+
+    # --- child processes and peers -----------------------------------------------------
+    #: A hosted child (rendezvous, volunteer coordinator) must be ready within this.
+    child_start_s: float = 120.0
+    #: A child told to stop (a hosted peer, the demo's agents) gets this long before SIGKILL.
+    child_stop_s: float = 15.0
+    #: A hivemind DHT node must start within this.
+    dht_start_s: float = 30.0
+    #: A volunteer waits this long for its run's record to appear in the DHT.
+    record_wait_s: float = 20.0
+    #: A hivemind optimizer's shutdown waits at most this long for its background work.
+    swarm_shutdown_s: float = 5.0
+    #: A simulation training worker must say hello within this.
+    worker_start_s: float = 120.0
+    #: A simulation worker's share of one round must come back within this.
+    worker_round_s: float = 3600.0
+    #: A simulation worker told to stop is killed after this long.
+    worker_stop_s: float = 10.0
+    #: SQLite waits this long for another writer's lock before failing.
+    db_busy_s: float = 30.0

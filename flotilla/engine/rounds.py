@@ -37,7 +37,7 @@ from flotilla.engine.ports import Evaluator
 from flotilla.engine.services import EngineConfig, EngineServices, P2PPeers
 from flotilla.engine.sync_round import SyncRounds
 from flotilla.engine.tally import RoundTally
-from flotilla.scheduling import Grant, Lease, Request, RoundOutcome, Selector
+from flotilla.scheduling import DeviceRequest, Grant, Lease, RoundOutcome, Selector
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class JobRunner:
         want = math.ceil(round(job.clients_per_round * factor, 9))  # 20 x 1.3 is 26
         arbiter = self.services.arbiter
         grant = await arbiter.acquire(
-            Request(self._job.id, job.task, want, job.min_quorum, self.selector)
+            DeviceRequest(self._job.id, job.task, want, job.min_quorum, self.selector)
         )
         count = len(grant.devices)
         rate = count / max(len(pool.eligible(job.task)), count, 1)

@@ -42,21 +42,21 @@ class RoundTally:
             dict(self.durations),
             tuple(self.failures),
             selected=tuple(selected),
-            compute=compute,
+            compute_s=compute,
             losses=losses,
             samples=samples,
         )
 
 
-async def next_result(results: AsyncIterator[RoundResult], timeout: float) -> RoundResult | None:
-    """The next result within ``timeout`` seconds; None when the stream ends or time is up."""
-    if timeout <= 0:
+async def next_result(results: AsyncIterator[RoundResult], timeout_s: float) -> RoundResult | None:
+    """The next result within ``timeout_s`` seconds; None when the stream ends or time is up."""
+    if timeout_s <= 0:
         return None
     try:
         if sys.version_info >= (3, 11):
             # No task per result (wait_for makes one): thousands of results a round.
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout_s):
                 return await results.__anext__()
-        return await asyncio.wait_for(results.__anext__(), timeout=timeout)
+        return await asyncio.wait_for(results.__anext__(), timeout=timeout_s)
     except (StopAsyncIteration, asyncio.TimeoutError):
         return None

@@ -16,7 +16,7 @@ tensor can mix several contributor sets. :class:`SafeAverager` runs each round a
 
 Cancellation (a timeout) leaves the local tensors untouched too, and a caller of
 :meth:`SafeAverager.step` never waits past its timeout. A committed step returns a
-:class:`RoundResult`: who contributed, and the attempts reverted before it.
+:class:`AllReduceOutcome`: who contributed, and the attempts reverted before it.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class IncompleteAllReduce(AllreduceException):  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
-class RoundResult:
+class AllReduceOutcome:
     """What a committed step did: who contributed, and the rounds reverted before it."""
 
     #: Peer id (base58) -> what that peer passed as ``gather``; every one contributed.
@@ -209,7 +209,7 @@ class CompleteRounds:
 
 class SafeAverager(CompleteRounds, DecentralizedAverager):  # type: ignore[misc]
     """A ``DecentralizedAverager`` with whole-or-nothing rounds; ``step`` returns a
-    :class:`RoundResult` and never keeps a waiting caller past its timeout."""
+    :class:`AllReduceOutcome` and never keeps a waiting caller past its timeout."""
 
     def step(
         self, *args: Any, timeout: float | None = None, wait: bool = True, **kwargs: Any
@@ -229,11 +229,11 @@ class SafeAverager(CompleteRounds, DecentralizedAverager):  # type: ignore[misc]
 
     async def _aggregate_with_group(
         self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any
-    ) -> RoundResult:
+    ) -> AllReduceOutcome:
         began = time.perf_counter()
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         seconds = time.perf_counter() - began
-        return RoundResult(
+        return AllReduceOutcome(
             gathered={str(peer): data for peer, data in gathered.items()},
             contributors=tuple(str(p) for p in _sender_ids(group_info)),
             group_id=group_info.group_id.hex(),
@@ -342,7 +342,7 @@ class AgreedAverager(SafeAverager):
 
     async def _aggregate_with_group(
         self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any
-    ) -> RoundResult:
+    ) -> AllReduceOutcome:
         if self._members:
             check_members(group_info, self._members)
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)

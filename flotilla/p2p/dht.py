@@ -26,6 +26,7 @@ from hivemind.dht.schema import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
 from flotilla.core.errors import RunRecordError
+from flotilla.core.timeouts import Timeouts
 from flotilla.p2p.lifetime import die_with_parent
 from flotilla.p2p.record import RunRecord, SignedRecord, verify_record
 
@@ -33,7 +34,6 @@ from flotilla.p2p.record import RunRecord, SignedRecord, verify_record
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 RECORD_TTL_S = 120.0
 METRICS_TTL_S = 60.0
-DHT_TIMEOUT_S = 30.0
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
@@ -105,10 +105,12 @@ def start_dht(
     client_mode: bool = False,
     identity_path: Path | None = None,
     announce_maddrs: Sequence[str] | None = None,
+    startup_s: float | None = None,
 ) -> hivemind.DHT:
     """A DHT node on loopback by default. Client mode (no incoming connections) is set
     here: hivemind 1.1.12 ignores ``Optimizer(client_mode=...)`` and takes the DHT's.
-    ``identity_path`` keeps the peer id across restarts (hivemind creates the key file)."""
+    ``identity_path`` keeps the peer id across restarts (hivemind creates the key file);
+    ``startup_s`` defaults to ``Timeouts.dht_start_s``."""
     extra: dict[str, Any] = {}
     if identity_path is not None:
         identity_path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,7 +122,7 @@ def start_dht(
         host_maddrs=[] if client_mode else list(host_maddrs or LOOPBACK_MADDRS),
         client_mode=client_mode,
         record_validators=[RSASignatureValidator()],
-        startup_timeout=DHT_TIMEOUT_S,
+        startup_timeout=Timeouts().dht_start_s if startup_s is None else startup_s,
         start=True,
         **extra,
     )
@@ -148,10 +150,11 @@ def publish_record(dht: hivemind.DHT, run: str, signed: SignedRecord) -> bool:
 
 
 def fetch_record(
-    dht: hivemind.DHT, run: str, trusted_key: str | None = None, wait_s: float = 10.0
+    dht: hivemind.DHT, run: str, trusted_key: str | None = None, wait_s: float | None = None
 ) -> RunRecord:
-    """The run's verified record. Waits up to ``wait_s`` for one to appear."""
-    deadline = time.monotonic() + wait_s
+    """The run's verified record. Waits up to ``wait_s`` (default
+    ``Timeouts.record_wait_s``) for one to appear."""
+    deadline = time.monotonic() + (Timeouts().record_wait_s if wait_s is None else wait_s)
     while True:
         found = dht.get(record_key(run), latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}

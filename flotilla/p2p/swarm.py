@@ -23,6 +23,7 @@ import torch
 from flotilla.core.blobs import sha256_hex
 from flotilla.core.files import write_atomic
 from flotilla.core.tensors import decode_state, encode_state, read_metadata
+from flotilla.core.timeouts import Timeouts
 from flotilla.p2p.averaging import SafeGradientAverager, SafeStateAverager
 from flotilla.p2p.codecs import hivemind_compression
 from flotilla.p2p.record import RunRecord
@@ -80,7 +81,10 @@ def make_optimizer(
     *,
     batch_size: int | None,
     auxiliary: bool = False,
+    shutdown_s: float | None = None,
 ) -> hivemind.Optimizer:
+    """The run's hivemind optimizer; ``shutdown_s`` defaults to
+    ``Timeouts.swarm_shutdown_s``."""
     compression = hivemind_compression(record.compression)
     factory: Any
     if record.optimizer == "adam":
@@ -112,7 +116,7 @@ def make_optimizer(
         # hivemind warns (and may deadlock) when a request may outlive matchmaking.
         averager_opts={"request_timeout": min(3.0, record.matchmaking_time / 2)},
         verbose=False,
-        shutdown_timeout=5,
+        shutdown_timeout=Timeouts().swarm_shutdown_s if shutdown_s is None else shutdown_s,
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from flotilla.core.errors import RunRecordError
 from flotilla.core.spec import DataSection
+from flotilla.core.timeouts import Timeouts
 from flotilla.p2p.codecs import install_codecs
 from flotilla.p2p.dht import PeerMetrics, fetch_record, publish_metrics, start_dht
 from flotilla.p2p.record import RunRecord
@@ -29,7 +30,7 @@ from flotilla.tasks.base import Shard, load_task
 
 log = logging.getLogger(__name__)
 #: Seconds between a volunteer's metric reports.
-REPORT_EVERY_S = 2.0
+METRICS_EVERY_S = 2.0
 #: Per-epoch losses a report carries (the coordinator merges them into the history).
 EPOCHS_REPORTED = 16
 
@@ -51,8 +52,8 @@ class VolunteerOptions:
     state_dir: Path | None = None
     #: Stop after this many optimizer epochs of the run (None: until stopped).
     max_epochs: int | None = None
-    #: Seconds to wait for the run record to appear in the DHT.
-    record_wait_s: float = 20.0
+    #: Its waits: the DHT's start, the run record's appearance, the optimizer's shutdown.
+    timeouts: Timeouts = field(default_factory=Timeouts)
 
 
 @dataclass
@@ -103,10 +104,17 @@ def run_volunteer(
     stop = stop or threading.Event()
     install_codecs()
     identity = options.state_dir / "identity.key" if options.state_dir else None
-    dht = start_dht(options.initial_peers, options.host_maddrs, options.client_mode, identity)
+    timeouts = options.timeouts
+    dht = start_dht(
+        options.initial_peers,
+        options.host_maddrs,
+        options.client_mode,
+        identity,
+        startup_s=timeouts.dht_start_s,
+    )
     opt = None
     try:
-        record = fetch_record(dht, options.run, options.coordinator_key, options.record_wait_s)
+        record = fetch_record(dht, options.run, options.coordinator_key, timeouts.record_wait_s)
         task = check_task(record, options.task)
         model = task.build_model(record.seed)
         if model_sha256(model) != record.model_sha256:
@@ -116,7 +124,14 @@ def run_volunteer(
             )
         peer = str(dht.peer_id)
         batch_size = options.batch_size or record.batch_size
-        opt = make_optimizer(dht, record, model, batch_size=batch_size, auxiliary=options.auxiliary)
+        opt = make_optimizer(
+            dht,
+            record,
+            model,
+            batch_size=batch_size,
+            auxiliary=options.auxiliary,
+            shutdown_s=timeouts.swarm_shutdown_s,
+        )
         opt.load_state_from_peers()
         report = VolunteerReport(peer, record, opt.local_epoch, opt.local_epoch)
         if on_ready is not None:
@@ -171,7 +186,7 @@ def _train(
         report.steps += 1
         report.samples += len(y)
         now = time.monotonic()
-        if now - last_report >= REPORT_EVERY_S:
+        if now - last_report >= METRICS_EVERY_S:
             rate = (report.samples - samples_at_start) / max(now - started, 1e-6)
             started, samples_at_start = now, report.samples
             report.epoch_losses = {e: s / n for e, (s, n) in sums.items() if n}
@@ -193,7 +208,7 @@ def _assist(
         ):
             break
         opt.step()
-        if time.monotonic() - last_report >= REPORT_EVERY_S:
+        if time.monotonic() - last_report >= METRICS_EVERY_S:
             _report(dht, options.run, report, opt.local_epoch, 0.0, auxiliary=True)
             last_report = time.monotonic()
         stop.wait(0.2)

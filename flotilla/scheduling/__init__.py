@@ -11,7 +11,7 @@
   ``heuristics``: FedCS, greedy and Oort; ``registry``: names to selectors.
 """
 
-from flotilla.scheduling.arbiter import Arbiter, Grant, Request
+from flotilla.scheduling.arbiter import Arbiter, DeviceRequest, Grant
 from flotilla.scheduling.cost import CostModel, jain_index, selection_variance
 from flotilla.scheduling.duration import DurationModel, Prediction
 from flotilla.scheduling.heuristics import (
@@ -22,7 +22,7 @@ from flotilla.scheduling.heuristics import (
     OortParams,
     OortSelector,
 )
-from flotilla.scheduling.history import DeviceRecord, FleetHistory, RoundOutcome
+from flotilla.scheduling.history import DeviceHistory, FleetHistory, RoundOutcome
 from flotilla.scheduling.leases import DeviceEvents, Lease, Leases
 from flotilla.scheduling.pool import DevicePool, DeviceState, DeviceView
 from flotilla.scheduling.registry import SELECTOR_NAMES, make_selector, selector_params
@@ -33,8 +33,9 @@ __all__ = [
     "Arbiter",
     "CostModel",
     "DeviceEvents",
+    "DeviceHistory",
     "DevicePool",
-    "DeviceRecord",
+    "DeviceRequest",
     "DeviceState",
     "DeviceView",
     "DurationModel",
@@ -51,7 +52,6 @@ __all__ = [
     "Prediction",
     "RandomParams",
     "RandomSelector",
-    "Request",
     "RoundOutcome",
     "Selector",
     "jain_index",

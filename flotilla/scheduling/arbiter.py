@@ -23,7 +23,7 @@ from flotilla.scheduling.selector import Selector
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
+class DeviceRequest:
     job_id: str
     task: str
     #: Devices the round asks for (clients per round x over-selection).
@@ -69,7 +69,7 @@ class Grant:
 
 @dataclass(slots=True)
 class _Waiter:
-    request: Request
+    request: DeviceRequest
     since: float
     future: asyncio.Future[Grant]
 
@@ -98,7 +98,7 @@ class Arbiter:
         """Idle devices for ``task`` that no job has been granted."""
         return [p for p in self.pool.idle(task) if p.device_id not in self._reserved]
 
-    async def acquire(self, request: Request) -> Grant:
+    async def acquire(self, request: DeviceRequest) -> Grant:
         """Wait until the job can start a round; its devices come reserved for it."""
         if request.job_id in self._waiting:
             raise RuntimeError(f"job {request.job_id} is already waiting for devices")

@@ -108,7 +108,7 @@ class BayesianSelector:
             )
         self._model = model
         self._cost = cost
-        self._deadline = deadline_s
+        self._deadline_s = deadline_s
         self._rng = rng
         self._p = params
         self._gp = _make_gp(params)
@@ -123,7 +123,7 @@ class BayesianSelector:
             return []
         count = min(count, n)
         gen = np.random.default_rng(self._rng.getrandbits(64))
-        rows = device_features(self._model, job_id, candidates, self._deadline).astype(np.float64)
+        rows = device_features(self._model, job_id, candidates, self._deadline_s).astype(np.float64)
         sets = candidate_sets(rows, count, self._p.candidates - 1, gen)
         # The cost-aware greedy choice is always a candidate: the GP decides when to deviate.
         where = {c.device_id: i for i, c in enumerate(candidates)}
@@ -144,9 +144,9 @@ class BayesianSelector:
         if pending is None or pending[0] != outcome.job_id:
             return
         _, x, ids = pending
-        cost = observed_cost(self._cost, outcome, self._deadline, self._model.history, ids)
+        cost = observed_cost(self._cost, outcome, self._deadline_s, self._model.history, ids)
         self._x.append([float(v) for v in x])
-        self._y.append(cost / max(self._deadline, 1e-6))
+        self._y.append(cost / max(self._deadline_s, 1e-6))
         del self._x[: -self._p.window], self._y[: -self._p.window]
 
     def state(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import numpy as np
 from flotilla.core.device import DeviceProfile
 from flotilla.scheduling.cost import CostModel
 from flotilla.scheduling.duration import DurationModel
-from flotilla.scheduling.history import DeviceRecord, RoundOutcome
+from flotilla.scheduling.history import DeviceHistory, RoundOutcome
 from flotilla.scheduling.selector import Stateless
 
 
@@ -45,7 +45,7 @@ class FedCSSelector(Stateless):
 
     def __init__(self, model: DurationModel, deadline_s: float, params: FedCSParams) -> None:
         self._model = model
-        self._deadline = deadline_s * params.deadline_share
+        self._deadline_s = deadline_s * params.deadline_share
         self._p = params
 
     def select(self, job_id: str, candidates: Sequence[DeviceProfile], count: int) -> list[str]:
@@ -53,7 +53,7 @@ class FedCSSelector(Stateless):
             return []
         seconds = self._model.predict(job_id, candidates).seconds(self._p.confidence_z)
         order = np.argsort(seconds, kind="stable")
-        fit = int(np.searchsorted(seconds[order], self._deadline, side="right"))
+        fit = int(np.searchsorted(seconds[order], self._deadline_s, side="right"))
         floor = max(1, math.ceil(self._p.min_share * count))
         take = min(len(order), count, max(fit, floor))
         return _ids(candidates, order[:take])
@@ -167,7 +167,7 @@ class OortSelector(Stateless):
 
     def _exploit(
         self,
-        recs: list[DeviceRecord | None],
+        recs: list[DeviceHistory | None],
         seconds: np.ndarray,
         explored: np.ndarray,
         want: int,
@@ -197,12 +197,12 @@ class OortSelector(Stateless):
         """Learning lives in the duration model's history."""
 
 
-def _loss_utility(rec: DeviceRecord | None) -> float:
+def _loss_utility(rec: DeviceHistory | None) -> float:
     """Oort's statistical utility, from what the device last reported: samples x loss."""
     if rec is None or rec.last_loss is None:
         return 0.0
     return max(rec.last_samples, 1) * max(rec.last_loss, 0.0)
 
 
-def _last_round(rec: DeviceRecord | None) -> int:
+def _last_round(rec: DeviceHistory | None) -> int:
     return 1 if rec is None else max(rec.last_round, 1)

@@ -29,7 +29,7 @@ class RoundOutcome:
     selected: Sequence[str] = ()
     #: Of ``durations``, the seconds spent training (``compute_s`` reported by the device);
     #: the rest was transfer and latency.
-    compute: Mapping[str, float] = field(default_factory=dict)
+    compute_s: Mapping[str, float] = field(default_factory=dict)
     #: The training loss each delivering device reported (``train_loss``).
     losses: Mapping[str, float] = field(default_factory=dict)
     #: Samples each delivering device trained on.
@@ -37,7 +37,7 @@ class RoundOutcome:
 
 
 @dataclass(slots=True)
-class DeviceRecord:
+class DeviceHistory:
     """One device's record for one job."""
 
     selected: int = 0
@@ -59,34 +59,34 @@ class DeviceRecord:
         """Variance of log round time; 0 with fewer than two observations."""
         return self.log_m2 / (self.delivered - 1) if self.delivered > 1 else 0.0
 
-    def add_duration(self, seconds: float, compute: float | None) -> None:
+    def add_duration(self, seconds: float, compute_s: float | None) -> None:
         self.delivered += 1
         x = math.log(max(seconds, 1e-6))
         delta = x - self.log_mean
         self.log_mean += delta / self.delivered
         self.log_m2 += delta * (x - self.log_mean)
-        if compute is not None and 0.0 <= compute <= seconds:
+        if compute_s is not None and 0.0 <= compute_s <= seconds:
             n = self.delivered
-            self.compute_s += (compute - self.compute_s) / n
-            self.transfer_s += (seconds - compute - self.transfer_s) / n
+            self.compute_s += (compute_s - self.compute_s) / n
+            self.transfer_s += (seconds - compute_s - self.transfer_s) / n
 
 
 @dataclass(slots=True)
 class FleetHistory:
-    """``(job, device) -> DeviceRecord``, plus each job's rounds so far."""
+    """``(job, device) -> DeviceHistory``, plus each job's rounds so far."""
 
-    records: dict[str, dict[str, DeviceRecord]] = field(default_factory=dict)
+    records: dict[str, dict[str, DeviceHistory]] = field(default_factory=dict)
     rounds: dict[str, int] = field(default_factory=dict)
 
     def record(self, outcome: RoundOutcome) -> None:
         job = self.records.setdefault(outcome.job_id, {})
         self.rounds[outcome.job_id] = max(self.rounds.get(outcome.job_id, 0), outcome.round)
         for device_id in set(outcome.selected) | set(outcome.durations) | set(outcome.failures):
-            rec = job.setdefault(device_id, DeviceRecord())
+            rec = job.setdefault(device_id, DeviceHistory())
             rec.selected += 1
             rec.last_round = outcome.round
         for device_id, seconds in outcome.durations.items():
-            job[device_id].add_duration(seconds, outcome.compute.get(device_id))
+            job[device_id].add_duration(seconds, outcome.compute_s.get(device_id))
         for device_id in outcome.failures:
             job[device_id].failures += 1
         for device_id, loss in outcome.losses.items():
@@ -103,10 +103,10 @@ class FleetHistory:
         selected = sum(r.selected for r in records)
         return (failures + prior_failures) / (selected + prior)
 
-    def get(self, job_id: str, device_id: str) -> DeviceRecord | None:
+    def get(self, job_id: str, device_id: str) -> DeviceHistory | None:
         return self.records.get(job_id, {}).get(device_id)
 
-    def job(self, job_id: str) -> Mapping[str, DeviceRecord]:
+    def job(self, job_id: str) -> Mapping[str, DeviceHistory]:
         return self.records.get(job_id, {})
 
     def selection_counts(self, job_id: str, device_ids: Iterable[str]) -> np.ndarray:
@@ -122,5 +122,5 @@ class FleetHistory:
 
     def restore_job(self, job_id: str, data: Mapping[str, Any]) -> None:
         """Put back what :meth:`job_state` returned."""
-        self.records[job_id] = {d: DeviceRecord(**r) for d, r in data["records"].items()}
+        self.records[job_id] = {d: DeviceHistory(**r) for d, r in data["records"].items()}
         self.rounds[job_id] = int(data["round"])

@@ -74,7 +74,7 @@ class RLSelector:
         self._torch = torch
         self._model = model
         self._cost = cost
-        self._deadline = deadline_s
+        self._deadline_s = deadline_s
         self._rounds_total = rounds_total
         self._rng = rng
         self._p = params
@@ -95,7 +95,7 @@ class RLSelector:
             self.restore(_read_policy(params.policy_file))
 
     def _inputs(self, job_id: str, candidates: Sequence[DeviceProfile], count: int) -> np.ndarray:
-        dev = device_features(self._model, job_id, candidates, self._deadline)
+        dev = device_features(self._model, job_id, candidates, self._deadline_s)
         rounds = self._model.history.rounds.get(job_id, 0)
         job = job_features(len(candidates), count, rounds, self._rounds_total)
         return np.concatenate([dev, np.broadcast_to(job, (len(candidates), len(job)))], axis=1)
@@ -122,7 +122,7 @@ class RLSelector:
         drawn, self._drawn = self._drawn, None
         if drawn is None or drawn.job_id != outcome.job_id:
             return
-        reward = -self.round_cost(outcome, drawn.candidate_ids) / max(self._deadline, 1e-6)
+        reward = -self.round_cost(outcome, drawn.candidate_ids) / max(self._deadline_s, 1e-6)
         if self._baseline is None:
             self._baseline = reward
         advantage = reward - self._baseline
@@ -148,7 +148,7 @@ class RLSelector:
 
     def round_cost(self, outcome: RoundOutcome, candidate_ids: Sequence[str]) -> float:
         history = self._model.history
-        return observed_cost(self._cost, outcome, self._deadline, history, candidate_ids)
+        return observed_cost(self._cost, outcome, self._deadline_s, history, candidate_ids)
 
     def state(self) -> dict[str, Any]:
         return {

@@ -24,7 +24,7 @@ from flotilla.server.federation.facade import Federation, FederationConfig
 from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.store import Store, default_url
 from flotilla.server.grpc.edge import GrpcEdge, GrpcSettings
-from flotilla.server.hosting.rendezvous import Rendezvous
+from flotilla.server.hosting.rendezvous import HostedRendezvous
 from flotilla.server.hosting.volunteers import VolunteerHost, VolunteerRunSpec
 from flotilla.server.memory import release_free_memory
 from flotilla.tasks.runtime import LocalTasks
@@ -77,7 +77,7 @@ class ServerConfig:
             tls_key=self.tls_key,
             max_message_bytes=self.max_message_bytes,
             speed_test_max_bytes=self.speed_test_max_bytes,
-            idle_s=self.timeouts.upload_idle,
+            idle_s=self.timeouts.upload_idle_s,
         )
 
 
@@ -90,10 +90,16 @@ class FederationServer:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.upload_budget = ByteBudget(config.upload_budget_bytes)
         self.volunteers = VolunteerHost(
-            config.volunteer_runs, self.state_dir / "volunteer", config.p2p_host_maddrs
+            config.volunteer_runs,
+            self.state_dir / "volunteer",
+            config.p2p_host_maddrs,
+            config.timeouts,
         )
-        self.rendezvous = Rendezvous(
-            self.state_dir / "rendezvous", config.p2p_host_maddrs, config.p2p_announce_maddrs
+        self.rendezvous = HostedRendezvous(
+            self.state_dir / "rendezvous",
+            config.p2p_host_maddrs,
+            config.p2p_announce_maddrs,
+            config.timeouts,
         )
         self.store: Store
         self.federation: Federation
@@ -106,7 +112,7 @@ class FederationServer:
         return self.config.db_url or default_url(self.state_dir)
 
     async def start(self) -> int:
-        self.store = await Store.open(self.db_url)
+        self.store = await Store.open(self.db_url, self.config.timeouts.db_busy_s)
         await self._ensure_operator_token()
         self.federation = Federation(
             self.config.federation(),
@@ -125,7 +131,9 @@ class FederationServer:
         log.info("listening on %s:%d", self.config.host, self.port)
         return self.port
 
-    async def stop(self, grace_s: float = 1.0) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop everything; calls in flight get ``grace_s`` (default
+        ``Timeouts.server_stop_s``) to finish."""
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -134,7 +142,8 @@ class FederationServer:
         await self.volunteers.stop()
         await self.rendezvous.stop()
         if self._edge is not None:
-            await self._edge.stop(grace_s)
+            grace = self.config.timeouts.server_stop_s if grace_s is None else grace_s
+            await self._edge.stop(grace)
         await self.store.close()
 
     async def wait(self) -> None:
@@ -157,7 +166,7 @@ class FederationServer:
 
     async def _reap(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, self.config.timeouts.liveness / 4))
+            await asyncio.sleep(min(1.0, self.config.timeouts.liveness_s / 4))
             for device_id in self.federation.reap():
                 log.info("device %s went silent", device_id)
             release_free_memory()

@@ -47,25 +47,25 @@ class _Round:
 class _Stream:
     """The engine's view of one round; closing it makes later arrivals stale."""
 
-    def __init__(self, backend: SimBackend, rnd: _Round) -> None:
+    def __init__(self, backend: SimBackend, open_round: _Round) -> None:
         self._backend = backend
-        self._rnd = rnd
+        self._open_round = open_round
 
     def __aiter__(self) -> _Stream:
         return self
 
     async def __anext__(self) -> RoundResult:
-        rnd = self._rnd
-        if not rnd.closed and (rnd.pending or not rnd.results.empty()):
-            return await rnd.results.get()
+        open_round = self._open_round
+        if not open_round.closed and (open_round.pending or not open_round.results.empty()):
+            return await open_round.results.get()
         await self.aclose()
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
-        rnd = self._rnd
-        rnd.closed = True
-        while not rnd.results.empty():
-            result = rnd.results.get_nowait()
+        open_round = self._open_round
+        open_round.closed = True
+        while not open_round.results.empty():
+            result = open_round.results.get_nowait()
             if isinstance(result, Delivered):
                 result.settle("stale: the round closed before this update was aggregated")
 
@@ -161,7 +161,7 @@ class SimBackend:
         now = loop.time()
         job = self._job(task)
         config = job.config
-        rnd = _Round(task, set(device_ids))
+        open_round = _Round(task, set(device_ids))
         trainer = self.trainers[task.task]
         shards = trainer.shards
         pop = self.population
@@ -180,7 +180,7 @@ class SimBackend:
             if drop_at < now + guess:
                 self.dropouts[(task.job_id, task.round)] += 1
                 loop.call_at(
-                    drop_at + pop.dropout_detect_s, self._fail, rnd, device_id, "dropped out"
+                    drop_at + pop.dropout_detect_s, self._fail, open_round, device_id, "dropped out"
                 )
             else:
                 survivors.append((device_id, device, down))
@@ -211,8 +211,8 @@ class SimBackend:
                 update = Update(
                     task.job_id, task.round, device_id, result.num_samples, delta, metrics
                 )
-                loop.call_at(now + seconds, self._arrive, rnd, update, seconds)
-        return _Stream(self, rnd)
+                loop.call_at(now + seconds, self._arrive, open_round, update, seconds)
+        return _Stream(self, open_round)
 
     def _job(self, task: TrainTask) -> _JobContext:
         job = self._jobs.get(task.job_id)
@@ -241,10 +241,10 @@ class SimBackend:
             return task.delta_size
         return task.model_size
 
-    def _arrive(self, rnd: _Round, update: Update, seconds: float) -> None:
-        device_id, job_id = update.device_id, rnd.task.job_id
-        rnd.pending.discard(device_id)
-        if rnd.closed:
+    def _arrive(self, open_round: _Round, update: Update, seconds: float) -> None:
+        device_id, job_id = update.device_id, open_round.task.job_id
+        open_round.pending.discard(device_id)
+        if open_round.closed:
             self.events.freed(device_id, job_id)  # stale: it is free to serve again
             return
 
@@ -252,11 +252,11 @@ class SimBackend:
             # Accepted or refused, the device is done with this round.
             self.events.freed(device_id, job_id)
 
-        rnd.results.put_nowait(Delivered(update, seconds, settle))
+        open_round.results.put_nowait(Delivered(update, seconds, settle))
 
-    def _fail(self, rnd: _Round, device_id: str, reason: str) -> None:
-        rnd.pending.discard(device_id)
+    def _fail(self, open_round: _Round, device_id: str, reason: str) -> None:
+        open_round.pending.discard(device_id)
         self._held.pop(device_id, None)
-        self.events.freed(device_id, rnd.task.job_id)
-        if not rnd.closed:
-            rnd.results.put_nowait(Failed(device_id, reason))
+        self.events.freed(device_id, open_round.task.job_id)
+        if not open_round.closed:
+            open_round.results.put_nowait(Failed(device_id, reason))

@@ -16,8 +16,9 @@ from typing import Any
 from flotilla.core.errors import FlotillaError
 from flotilla.core.spec import DataSection, TrainSection
 from flotilla.core.tensors import ModelState
+from flotilla.core.timeouts import Timeouts
 from flotilla.simulation.training import ClientResult, ShardCache, make_trainer
-from flotilla.simulation.workers import ROUND_TIMEOUT_S, START_TIMEOUT_S, split_evenly
+from flotilla.simulation.workers import split_evenly
 
 LOOPBACK = "127.0.0.1"
 #: Ray's switch between "cluster node" (bind the machine's address) and a local-only node.
@@ -89,10 +90,12 @@ class RayTrainer:
         shards: ShardCache,
         devices: Sequence[str],
         batched: bool | None = None,
+        timeouts: Timeouts | None = None,
     ) -> None:
         if not devices:
             raise FlotillaError("Ray training needs at least one device")
         self.shards = shards
+        self._timeouts = timeouts or Timeouts()
         self._started = start_ray()  # before any `import ray`: it settles the bind address
         import ray
 
@@ -106,9 +109,8 @@ class RayTrainer:
                 )
             )
         try:
-            self.kind = set(
-                ray.get([a.kind.remote() for a in self._actors], timeout=START_TIMEOUT_S)
-            )
+            kinds = [a.kind.remote() for a in self._actors]
+            self.kind = set(ray.get(kinds, timeout=self._timeouts.worker_start_s))
         except Exception as exc:
             self.close()
             raise FlotillaError(f"Ray training actors did not start: {exc}") from exc
@@ -131,7 +133,8 @@ class RayTrainer:
             )
             if part
         ]
-        return [r for results in ray.get(calls, timeout=ROUND_TIMEOUT_S) for r in results]
+        done = ray.get(calls, timeout=self._timeouts.worker_round_s)
+        return [r for results in done for r in results]
 
     def close(self) -> None:
         import ray

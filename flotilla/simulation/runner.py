@@ -22,8 +22,8 @@ from typing import IO, Any, Protocol
 from flotilla.core.blobstore import BlobStore
 from flotilla.core.commit_rules import (
     check_commit,
+    check_job_state,
     check_next_round,
-    check_state,
     check_transition,
     state_after,
 )
@@ -74,7 +74,7 @@ class SimLedger:
 
     def add(self, job: JobRecord) -> None:
         """Record a submitted job; a second job with the same id is a :class:`ConflictError`."""
-        check_state(job.state)
+        check_job_state(job.state)
         if job.id in self.jobs:
             raise ConflictError(f"job {job.id!r} already exists")
         self.jobs[job.id] = job
@@ -105,7 +105,7 @@ class SimLedger:
         return job
 
     async def set_job_state(self, job_id: str, state: str) -> JobRecord:
-        check_state(state)
+        check_job_state(state)
         job = self._job(job_id)
         if job.state != state:
             check_transition(job_id, job.state, state)

@@ -17,11 +17,8 @@ from typing import Any
 from flotilla.core.errors import FlotillaError
 from flotilla.core.spec import DataSection, TrainSection
 from flotilla.core.tensors import ModelState
+from flotilla.core.timeouts import Timeouts
 from flotilla.simulation.training import ClientResult, ShardCache, make_trainer
-
-#: Seconds a worker may take to start (import torch, build the task) and per round.
-START_TIMEOUT_S = 120.0
-ROUND_TIMEOUT_S = 3600.0
 
 
 def _serve(conn: Connection, task_name: str, count: int, device: str, batched: bool | None,
@@ -54,10 +51,14 @@ class WorkerPoolTrainer:
         shards: ShardCache,
         devices: Sequence[str],
         batched: bool | None = None,
+        timeouts: Timeouts | None = None,
     ) -> None:
+        """``timeouts`` bound a worker's start (import torch, build the task), its share of
+        a round, and its exit."""
         if not devices:
             raise FlotillaError("a worker pool needs at least one device")
         self.shards = shards
+        self._timeouts = timeouts or Timeouts()
         ctx = mp.get_context("spawn")
         cpu_workers = sum(1 for d in devices if not d.startswith("cuda"))
         threads = max(1, (mp.cpu_count() or 1) // max(cpu_workers, 1))
@@ -73,7 +74,8 @@ class WorkerPoolTrainer:
                 proc.start()
                 child.close()
                 self._workers.append((proc, parent))
-            self.kind = {self._expect(conn, START_TIMEOUT_S)[1] for _, conn in self._workers}
+            start_s = self._timeouts.worker_start_s
+            self.kind = {self._expect(conn, start_s)[1] for _, conn in self._workers}
         except BaseException:
             self.close()
             raise
@@ -94,13 +96,13 @@ class WorkerPoolTrainer:
                 busy.append(conn)
         out: list[ClientResult] = []
         for conn in busy:
-            out += self._expect(conn, ROUND_TIMEOUT_S)[1]
+            out += self._expect(conn, self._timeouts.worker_round_s)[1]
         return out
 
     @staticmethod
-    def _expect(conn: Connection, timeout: float) -> tuple[str, Any]:
-        if not conn.poll(timeout):
-            raise FlotillaError(f"a training worker did not answer within {timeout:.0f}s")
+    def _expect(conn: Connection, timeout_s: float) -> tuple[str, Any]:
+        if not conn.poll(timeout_s):
+            raise FlotillaError(f"a training worker did not answer within {timeout_s:.0f}s")
         try:
             status, payload = conn.recv()
         except EOFError:
@@ -114,7 +116,7 @@ class WorkerPoolTrainer:
             with contextlib.suppress(OSError, BrokenPipeError):
                 conn.send(None)
             conn.close()
-            proc.join(timeout=10)
+            proc.join(timeout=self._timeouts.worker_stop_s)
             if proc.is_alive():
                 proc.kill()
         self._workers.clear()

@@ -34,14 +34,14 @@ from flotilla.server.federation.facade import Federation, FederationConfig
 from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.store import Store
 from flotilla.server.grpc.wire import device_info_to_pb, job_info
-from flotilla.server.hosting.rendezvous import Rendezvous
+from flotilla.server.hosting.rendezvous import HostedRendezvous
 from flotilla.server.hosting.volunteers import VolunteerHost
 from flotilla.tasks import Shard, ShardTraining, Task
 from flotilla.tasks.runtime import LocalTasks
 
 DIGITS = "flotilla.tasks.digits:DigitsTask"
 #: What ``tests.support.processes.ServerProcess`` starts the real server with.
-SERVER_TIMEOUTS = Timeouts(liveness=6.0)
+SERVER_TIMEOUTS = Timeouts(liveness_s=6.0)
 #: The real server's upload budget (``ServerConfig``).
 UPLOAD_BUDGET_BYTES = 64 * 1024 * 1024
 
@@ -189,7 +189,7 @@ async def in_process_federation(
     store = await Store.open(db_url)
     if store.dialect == "postgresql":
         await store.wipe()
-    rendezvous = Rendezvous(state_dir / "rendezvous")
+    rendezvous = HostedRendezvous(state_dir / "rendezvous")
     hosted = Hosted(rendezvous=rendezvous, volunteers=VolunteerHost((), state_dir / "volunteer"))
     federation = Federation(
         FederationConfig(state_dir=state_dir, timeouts=timeouts, engine=engine or EngineConfig()),
@@ -198,7 +198,7 @@ async def in_process_federation(
         hosted,
         LocalTasks(),
     )
-    reaper = asyncio.ensure_future(_reap(federation, min(1.0, timeouts.liveness / 4)))
+    reaper = asyncio.ensure_future(_reap(federation, min(1.0, timeouts.liveness_s / 4)))
     fed = InProcessFederation(federation, store, state_dir, db_url, agent_timeouts or Timeouts())
     try:
         await federation.start()

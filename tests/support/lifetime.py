@@ -1,22 +1,21 @@
 """Every process a test starts dies with the test run, even when pytest is killed with -9.
 
-Pass :func:`die_with_test` as ``preexec_fn`` to ``subprocess.Popen``/``run`` (or
-``asyncio.create_subprocess_exec``): the kernel sends the child SIGKILL when the process
-that started it exits, however it exits. The prctl function is looked up here, in the
-parent, so the child between fork and exec only makes one system call.
+Start commands as ``bound(argv)``: ``setpriv --pdeathsig KILL`` (util-linux) asks the
+kernel to SIGKILL the command when the process that started it exits, however it exits,
+and then execs the command in place (same pid). A ``preexec_fn`` would do the same in
+Python, but it forces ``fork()`` instead of ``vfork()``, and grpc's fork handlers can
+abort such a child when the test process has grpc threads (seen: "epoll_wait error: Bad
+file descriptor", exit -6).
 """
 
 from __future__ import annotations
 
-import ctypes
-import signal
+from collections.abc import Sequence
 
-#: linux/prctl.h
-PR_SET_PDEATHSIG = 1
-
-_prctl = ctypes.CDLL(None, use_errno=True).prctl
+#: The prefix that binds a command's life to its parent's.
+DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "KILL", "--")
 
 
-def die_with_test() -> None:
-    """Runs in the child before exec: SIGKILL this process when its parent dies."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def bound(argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that it dies with the process that starts it."""
+    return [*DIE_WITH_PARENT, *argv]

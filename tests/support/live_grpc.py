@@ -34,7 +34,7 @@ from flotilla.server.app import FederationServer, ServerConfig
 from flotilla.server.federation import auth
 from flotilla.server.federation.schema import Base
 from flotilla.server.federation.store import Store, async_url
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 
 DIGITS = "flotilla.tasks.digits:DigitsTask"
 SPEC = Path(__file__).resolve().parents[2] / "examples" / "digits.toml"
@@ -93,13 +93,9 @@ async def run_cli(*args: str, timeout: float = 60.0) -> CliResult:
     """``python -m flotilla ARGS`` without blocking this loop, which serves the server."""
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "flotilla",
-        *args,
+        *bound([sys.executable, "-m", "flotilla", *args]),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        preexec_fn=die_with_test,
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
@@ -332,7 +328,7 @@ async def live_server(
             await store.wipe()
         finally:
             await store.close()
-    config.setdefault("timeouts", Timeouts(liveness=30.0, poll_hold=5.0))
+    config.setdefault("timeouts", Timeouts(liveness_s=30.0, poll_hold_s=5.0))
     config.setdefault("engine", EngineConfig(selection_grace_s=0.2))
     server = FederationServer(
         ServerConfig(

@@ -48,9 +48,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, Literal
+
+try:
+    from tests.support.lifetime import bound
+except ModuleNotFoundError:  # run as the forwarder script, beside lifetime.py
+    from lifetime import bound  # type: ignore[no-redef]
 
 PREFIX = "fltni-"
 SUBNET = "10.77.0"
@@ -98,11 +103,10 @@ class Host:
 def _ip(*args: str, timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``ip`` with a timeout; raise with its stderr when it fails and ``check``."""
     proc = subprocess.run(
-        ["ip", *args],
+        bound(["ip", *args]),
         capture_output=True,
         text=True,
         timeout=timeout,
-        preexec_fn=_die_with_test(),
     )
     if check and proc.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed: {proc.stderr.strip()}")
@@ -221,24 +225,22 @@ class Network:
                     "link set dev lo up\n"
                 )
                 proc = subprocess.run(
-                    ["ip", "-n", host.netns, "-batch", "-"],
+                    bound(["ip", "-n", host.netns, "-batch", "-"]),
                     input=batch,
                     capture_output=True,
                     text=True,
                     timeout=self.timeout,
-                    preexec_fn=_die_with_test(),
                 )
                 if proc.returncode != 0:
                     raise RuntimeError(f"configuring {host.netns} failed: {proc.stderr.strip()}")
             self._fwd_log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
             self._forwarder = subprocess.Popen(
-                [sys.executable, "-u", os.path.abspath(__file__)],
+                bound([sys.executable, "-u", os.path.abspath(__file__)]),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self._fwd_log,
                 pass_fds=fds,
                 start_new_session=True,
-                preexec_fn=_die_with_test(),
             )
         finally:
             for fd in fds:
@@ -333,9 +335,8 @@ class Network:
         if self._closed:
             raise RuntimeError("network is closed")
         kwargs.setdefault("start_new_session", True)
-        kwargs.setdefault("preexec_fn", _die_with_test())
         proc: subprocess.Popen[Any] = subprocess.Popen(
-            ["ip", "netns", "exec", self.hosts[host].netns, *argv], **kwargs
+            bound(["ip", "netns", "exec", self.hosts[host].netns, *argv]), **kwargs
         )
         self._procs.append(proc)
         return proc
@@ -627,14 +628,6 @@ def _forwarder_main() -> None:
             return
         line += byte
     _forward(json.loads(line), 0, 1)
-
-
-def _die_with_test() -> Callable[[], None]:
-    """The test run's process-lifetime hook (imported here: this file also runs as the
-    forwarder script, where the ``tests`` package is not importable)."""
-    from tests.support.lifetime import die_with_test
-
-    return die_with_test
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support.lifetime import die_with_test
+from tests.support.lifetime import bound
 
 DIGITS = "flotilla.tasks.digits:DigitsTask"
 
@@ -28,11 +28,10 @@ def flotilla(
 ) -> subprocess.CompletedProcess[str]:
     """Run the CLI as a user would."""
     proc = subprocess.run(
-        [sys.executable, "-m", "flotilla", *args],
+        bound([sys.executable, "-m", "flotilla", *args]),
         capture_output=True,
         text=True,
         timeout=timeout,
-        preexec_fn=die_with_test,
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"flotilla {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -64,9 +63,7 @@ class ServerProcess:
         if self.db_url:
             cmd += ["--db", self.db_url]
         out = self.log.open("a")
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=out, text=True, preexec_fn=die_with_test
-        )
+        self.proc = subprocess.Popen(bound(cmd), stdout=subprocess.PIPE, stderr=out, text=True)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -184,11 +181,7 @@ class AgentFleet:
                 "--server", self.server.address, f"--token={self.token}",
                 "--task", task, "--shard", f"{i}/{count}", *extra,
             ]  # fmt: skip
-            self.procs.append(
-                subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_test
-                )
-            )
+            self.procs.append(subprocess.Popen(bound(cmd), stdout=log, stderr=subprocess.STDOUT))
 
     def alive(self) -> int:
         return sum(p.poll() is None for p in self.procs)

@@ -2,7 +2,7 @@
 
 - ``facade``: :class:`Federation`, one method per thing a device or operator does; edges
   call only this.
-- ``views``: the frozen values it takes and returns (``DeviceInfo``, ``UploadHeader``...).
+- ``views``: the frozen values it takes and returns (``DeviceInfo``, ``JobDetail``...).
 - ``devices`` / ``jobs`` / ``uploads``: enrolment and sightings; one runner per job;
   uploads admitted by reservation, checked and delivered.
 - ``ports``: the protocols the hosted hivemind peers are seen through (``Rendezvous``).

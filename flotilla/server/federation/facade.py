@@ -70,9 +70,7 @@ class Federation:
         self._arbiter = Arbiter(self._pool, clock, engine.selection_grace_s, engine.idle_poll_s)
         self._hosted = hosted
         self._devices = Devices(store, self._pool, clock)
-        self._uploads = Uploads(
-            self._gateway, self._pool, upload_budget, config.timeouts.upload_idle, clock
-        )
+        self._uploads = Uploads(self._gateway, self._pool, upload_budget, config.timeouts, clock)
         services = EngineServices(
             backend=self._gateway,
             leases=self._leases,
@@ -96,7 +94,7 @@ class Federation:
 
     def reap(self) -> list[str]:
         """Drop devices silent for longer than the liveness window; their ids."""
-        return self._gateway.reap(self._config.timeouts.liveness)
+        return self._gateway.reap(self._config.timeouts.liveness_s)
 
     # --- callers -------------------------------------------------------------------------
 
@@ -122,8 +120,8 @@ class Federation:
         timeouts = self._config.timeouts
         # A held poll is a live device: hold it for less than the liveness window, so the
         # reaper never drops an agent that is simply waiting for work.
-        hold = min(timeouts.poll_hold, timeouts.liveness / 2)
-        return await self._gateway.poll(device.id, hold)
+        hold_s = min(timeouts.poll_hold_s, timeouts.liveness_s / 2)
+        return await self._gateway.poll(device.id, hold_s)
 
     def heartbeat(self, device: DeviceRecord, round_token: str) -> bool:
         """A training device is alive; whether its round is still open."""
@@ -153,8 +151,8 @@ class Federation:
     async def report_average(
         self, device: DeviceRecord, ref: RoundRef, report: Reported
     ) -> ReportVerdict:
-        hold = self._config.timeouts.report_hold
-        return await self._uploads.report(device.id, ref, report, hold)
+        hold_s = self._config.timeouts.report_hold_s
+        return await self._uploads.report(device.id, ref, report, hold_s)
 
     def leave(self, device: DeviceRecord, reason: str) -> None:
         self._gateway.leave(device.id, reason or "no reason given")

@@ -53,24 +53,24 @@ class OpenRound:
 class RoundStream:
     """The engine's view of an open round; closing it (or running dry) closes the round."""
 
-    def __init__(self, gateway: Gateway, rnd: OpenRound) -> None:
+    def __init__(self, gateway: Gateway, open_round: OpenRound) -> None:
         self._gateway = gateway
-        self._rnd = rnd
+        self._open_round = open_round
 
     def __aiter__(self) -> RoundStream:
         return self
 
     async def __anext__(self) -> RoundResult:
-        rnd = self._rnd
-        if self._gateway.round_open(rnd.task.round_token) and (
-            rnd.pending or not rnd.results.empty()
+        open_round = self._open_round
+        if self._gateway.round_open(open_round.task.round_token) and (
+            open_round.pending or not open_round.results.empty()
         ):
-            return await rnd.results.get()
+            return await open_round.results.get()
         await self.aclose()
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
-        self._gateway.close_round(self._rnd)
+        self._gateway.close_round(self._open_round)
 
 
 @dataclass(slots=True)
@@ -87,29 +87,29 @@ class Gateway:
 
     def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> RoundStream:
         """Offer the task now (so the devices stay claimed); results stream until closed."""
-        rnd = OpenRound(task, self.clock(), set(device_ids))
-        self._rounds[task.round_token] = rnd
+        open_round = OpenRound(task, self.clock(), set(device_ids))
+        self._rounds[task.round_token] = open_round
         for device_id in device_ids:
             self._offers[device_id] = task
             self._wakeup(device_id).set()
-        return RoundStream(self, rnd)
+        return RoundStream(self, open_round)
 
-    def close_round(self, rnd: OpenRound) -> None:
-        """The engine is done with ``rnd``: later updates are stale, unread ones refused."""
-        if self._rounds.get(rnd.task.round_token) is not rnd:
+    def close_round(self, open_round: OpenRound) -> None:
+        """The engine is done with ``open_round``: later updates are stale, unread ones refused."""
+        if self._rounds.get(open_round.task.round_token) is not open_round:
             return
-        del self._rounds[rnd.task.round_token]
-        rnd.announce()
-        while not rnd.results.empty():
-            result = rnd.results.get_nowait()
+        del self._rounds[open_round.task.round_token]
+        open_round.announce()
+        while not open_round.results.empty():
+            result = open_round.results.get_nowait()
             if isinstance(result, Delivered):
                 result.settle("stale: the round closed before this update was aggregated")
-        for device_id in rnd.pending:
+        for device_id in open_round.pending:
             offer = self._offers.get(device_id)
-            if offer is not None and offer.round_token == rnd.task.round_token:
+            if offer is not None and offer.round_token == open_round.task.round_token:
                 # Never picked up: the device did no work and is free at once.
                 del self._offers[device_id]
-                self.events.freed(device_id, rnd.task.job_id)
+                self.events.freed(device_id, open_round.task.job_id)
             # Otherwise it is still training: it stays busy until it polls or submits.
 
     def _wakeup(self, device_id: str) -> asyncio.Event:
@@ -134,11 +134,11 @@ class Gateway:
 
     def _abandon(self, device_id: str) -> None:
         """A device polling while owed an update gave up on it; free it."""
-        for rnd in self._rounds.values():
-            took_task = self._offers.get(device_id) is not rnd.task
-            if device_id in rnd.pending and took_task:
-                rnd.pending.discard(device_id)
-                rnd.results.put_nowait(Failed(device_id, "agent abandoned the task"))
+        for open_round in self._rounds.values():
+            took_task = self._offers.get(device_id) is not open_round.task
+            if device_id in open_round.pending and took_task:
+                open_round.pending.discard(device_id)
+                open_round.results.put_nowait(Failed(device_id, "agent abandoned the task"))
         self._free_unless_owed(device_id)
 
     def _free_unless_owed(self, device_id: str) -> None:
@@ -164,70 +164,73 @@ class Gateway:
 
     def expect(self, device_id: str, job_id: str, round_no: int, round_token: str) -> OpenRound:
         """The open round an upload belongs to, or StaleRoundError."""
-        rnd = self._rounds.get(round_token)
+        open_round = self._rounds.get(round_token)
         if (
-            rnd is None
-            or rnd.task.job_id != job_id
-            or rnd.task.round != round_no
-            or device_id not in rnd.pending
+            open_round is None
+            or open_round.task.job_id != job_id
+            or open_round.task.round != round_no
+            or device_id not in open_round.pending
         ):
             self._free_unless_owed(device_id)
             raise StaleRoundError(
                 f"stale round: round {round_no} of job {job_id} is not open for this device"
             )
-        return rnd
+        return open_round
 
-    def report(self, rnd: OpenRound, report: Reported) -> bool:
+    def report(self, open_round: OpenRound, report: Reported) -> bool:
         """Take a device's report of a server-less round (the engine sees the first one);
         True when this device should upload its group's average now. One device per model
         is asked; if it dies or its upload is refused, the next reporter is."""
         device_id = report.device_id
-        first = rnd.reports.get(device_id)
+        first = open_round.reports.get(device_id)
         if first is None:
-            report = dataclasses.replace(report, elapsed_s=self.clock() - rnd.started)
-            rnd.reports[device_id] = report
-            rnd.results.put_nowait(report)
+            report = dataclasses.replace(report, elapsed_s=self.clock() - open_round.started)
+            open_round.reports[device_id] = report
+            open_round.results.put_nowait(report)
         elif first.model_sha256 != report.model_sha256:
             raise UpdateRejected("a device reports one model per round")
-        return self._upload_turn(rnd, device_id)
+        return self._upload_turn(open_round, device_id)
 
     @staticmethod
-    def _upload_turn(rnd: OpenRound, device_id: str) -> bool:
-        sha = rnd.reports[device_id].model_sha256
-        if sha in rnd.uploaded:
+    def _upload_turn(open_round: OpenRound, device_id: str) -> bool:
+        sha = open_round.reports[device_id].model_sha256
+        if sha in open_round.uploaded:
             return False
-        holder = rnd.uploaders.get(sha)
-        if holder is None or not rnd.alive(holder):
-            rnd.uploaders[sha] = holder = device_id
+        holder = open_round.uploaders.get(sha)
+        if holder is None or not open_round.alive(holder):
+            open_round.uploaders[sha] = holder = device_id
         return holder == device_id
 
-    async def hold_reporter(self, rnd: OpenRound, device_id: str, hold_s: float) -> bool:
+    async def hold_reporter(self, open_round: OpenRound, device_id: str, hold_s: float) -> bool:
         """Keep a reporter that was not asked to upload until it is (its model's uploader
         dropped out), the round closes, or ``hold_s`` passes; True when it should upload.
         Held instead of polled, so the round's devices are free the moment it commits."""
         loop = asyncio.get_running_loop()
         end = loop.time() + hold_s
-        while self.round_open(rnd.task.round_token):
-            if self._upload_turn(rnd, device_id):
+        while self.round_open(open_round.task.round_token):
+            if self._upload_turn(open_round, device_id):
                 return True
             left = end - loop.time()
             if left <= 0:
                 return False
             try:
-                await asyncio.wait_for(rnd.news.wait(), left)
+                await asyncio.wait_for(open_round.news.wait(), left)
             except asyncio.TimeoutError:
                 return False
         return False
 
-    def expect_upload(self, rnd: OpenRound, device_id: str) -> None:
+    def expect_upload(self, open_round: OpenRound, device_id: str) -> None:
         """In a server-less round only the device asked to upload its model's average may."""
-        report = rnd.reports.get(device_id)
-        if report is None or rnd.uploaders.get(report.model_sha256) != device_id:
+        report = open_round.reports.get(device_id)
+        if report is None or open_round.uploaders.get(report.model_sha256) != device_id:
             raise WireError("this round's devices report (ReportAverage); upload only when asked")
 
-    async def deliver(self, rnd: OpenRound, update: Update, timeout_s: float) -> None:
+    async def deliver(self, open_round: OpenRound, update: Update, timeout_s: float) -> None:
         """Hand a decoded update to the engine and wait for its verdict."""
-        if rnd.task.round_token not in self._rounds or update.device_id not in rnd.pending:
+        if (
+            open_round.task.round_token not in self._rounds
+            or update.device_id not in open_round.pending
+        ):
             raise StaleRoundError("stale round: the round closed while the update was uploading")
         loop = asyncio.get_running_loop()
         verdict: asyncio.Future[str | None] = loop.create_future()
@@ -236,10 +239,10 @@ class Gateway:
             if not verdict.done():
                 verdict.set_result(reason)
 
-        rnd.pending.discard(update.device_id)
-        rnd.awaiting.add(update.device_id)
-        rnd.results.put_nowait(
-            Delivered(update, self.clock() - rnd.started, settle, lambda: not verdict.done())
+        open_round.pending.discard(update.device_id)
+        open_round.awaiting.add(update.device_id)
+        open_round.results.put_nowait(
+            Delivered(update, self.clock() - open_round.started, settle, lambda: not verdict.done())
         )
         try:
             reason = await asyncio.wait_for(verdict, timeout=timeout_s)
@@ -250,8 +253,8 @@ class Gateway:
             # fold this update, because the device is free to poll and serve another job.
             if not verdict.done():
                 verdict.cancel()
-            rnd.awaiting.discard(update.device_id)
-        self._settle_upload(rnd, update.device_id, reason is None)
+            open_round.awaiting.discard(update.device_id)
+        self._settle_upload(open_round, update.device_id, reason is None)
         if reason is None:
             return
         if reason.startswith("stale"):
@@ -259,26 +262,26 @@ class Gateway:
         raise UpdateRejected(reason)
 
     @staticmethod
-    def _settle_upload(rnd: OpenRound, device_id: str, taken: bool) -> None:
-        report = rnd.reports.get(device_id)
+    def _settle_upload(open_round: OpenRound, device_id: str, taken: bool) -> None:
+        report = open_round.reports.get(device_id)
         if report is None:
             return
         if taken:
-            rnd.uploaded.add(report.model_sha256)
-        elif rnd.uploaders.get(report.model_sha256) == device_id:
-            del rnd.uploaders[report.model_sha256]  # the next reporter of it is asked
-            rnd.announce()
+            open_round.uploaded.add(report.model_sha256)
+        elif open_round.uploaders.get(report.model_sha256) == device_id:
+            del open_round.uploaders[report.model_sha256]  # the next reporter of it is asked
+            open_round.announce()
 
     def fail(self, device_id: str, reason: str) -> None:
         """A device will report nothing more to any round it owes (it left or went silent)."""
-        for rnd in self._rounds.values():
-            if device_id in rnd.pending:
-                rnd.pending.discard(device_id)
-                rnd.results.put_nowait(Failed(device_id, reason))
+        for open_round in self._rounds.values():
+            if device_id in open_round.pending:
+                open_round.pending.discard(device_id)
+                open_round.results.put_nowait(Failed(device_id, reason))
                 # Nothing of it waits to be folded, so it is free now. (A silent device
                 # whose update is already queued stays its job's until that job lets go.)
-                self.events.freed(device_id, rnd.task.job_id)
-                rnd.announce()  # it may have been asked to upload a model
+                self.events.freed(device_id, open_round.task.job_id)
+                open_round.announce()  # it may have been asked to upload a model
         self._offers.pop(device_id, None)
 
     def leave(self, device_id: str, reason: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -28,8 +29,8 @@ from sqlalchemy.sql.dml import Insert
 
 from flotilla.core.commit_rules import (
     check_commit,
+    check_job_state,
     check_next_round,
-    check_state,
     check_transition,
     state_after,
 )
@@ -47,6 +48,7 @@ from flotilla.core.records import (
     RoundCommit,
     RoundRecord,
 )
+from flotilla.core.timeouts import Timeouts
 from flotilla.server.federation import migrations
 from flotilla.server.federation.schema import (
     Base,
@@ -67,9 +69,6 @@ __all__ = [
     "async_url",
     "default_url",
 ]
-
-#: How long a SQLite writer waits for another writer before giving up ("database is locked").
-SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 # Execution option read by the SQLite "begin" hook: write transactions take the write lock
 # up front so two writers queue instead of failing on a stale snapshot.
@@ -103,15 +102,16 @@ def async_url(url: str) -> URL:
     return parsed.set(drivername=name)
 
 
-def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
-    # Take BEGIN away from the sqlite3 driver (which skips it for SELECT and DDL) so the
+def _on_sqlite_connect(busy_s: float, dbapi_connection: Any, _record: Any) -> None:
+    # ``busy_s``: how long a writer waits for another before giving up ("database is
+    # locked"). Take BEGIN away from the sqlite3 driver (which skips it for SELECT and DDL) so the
     # "begin" hook below controls when and how each transaction starts.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout={round(busy_s * 1000)}")
     finally:
         cursor.close()
 
@@ -184,16 +184,18 @@ class Store:
     default_url = staticmethod(default_url)
 
     @classmethod
-    async def open(cls, url: str) -> Store:
+    async def open(cls, url: str, busy_s: float | None = None) -> Store:
         """Connect, and create or upgrade the schema to the newest revision (see
-        :mod:`~flotilla.server.federation.migrations`); existing rows are kept."""
+        :mod:`~flotilla.server.federation.migrations`); existing rows are kept. A SQLite
+        writer waits ``busy_s`` (default ``Timeouts.db_busy_s``) for another's lock."""
         target = async_url(url)
         if target.get_backend_name() == "sqlite":
             db = target.database or ""
             if db and db != ":memory:" and not db.startswith("file:"):
                 Path(db).parent.mkdir(parents=True, exist_ok=True)
             engine = create_async_engine(target)
-            event.listen(engine.sync_engine, "connect", _on_sqlite_connect)
+            busy = Timeouts().db_busy_s if busy_s is None else busy_s
+            event.listen(engine.sync_engine, "connect", partial(_on_sqlite_connect, busy))
             event.listen(engine.sync_engine, "begin", _on_sqlite_begin)
         else:
             engine = create_async_engine(target, pool_pre_ping=True)
@@ -317,7 +319,7 @@ class Store:
 
     async def add_job(self, job: JobRecord) -> None:
         """Insert a new job; a duplicate id is a :class:`ConflictError`."""
-        check_state(job.state)
+        check_job_state(job.state)
         row = JobRow(
             id=job.id,
             name=job.name,
@@ -359,7 +361,7 @@ class Store:
 
     async def set_job_state(self, job_id: str, state: str) -> JobRecord:
         """Move a job to ``state``; a finished job stays finished (:class:`JobStateError`)."""
-        check_state(state)
+        check_job_state(state)
         async with self._write.begin() as s:
             row = await s.get(JobRow, job_id, with_for_update=True)
             if row is None:

@@ -20,6 +20,7 @@ from flotilla.compression import Codec, NoneCodec, decode_state_with, max_payloa
 from flotilla.core.blobs import BlobAssembler
 from flotilla.core.errors import StaleRoundError, UpdateRejected, WireError
 from flotilla.core.tensors import ModelState, TensorSpec, check_finite, decode_state, read_metadata
+from flotilla.core.timeouts import Timeouts
 from flotilla.core.update import Update
 from flotilla.core.work import ReportVerdict, Reservation, RoundRef, UploadHeader
 from flotilla.engine.backend import Reported, TrainTask
@@ -29,8 +30,6 @@ from flotilla.server.federation.gateway import Gateway, OpenRound
 
 #: Room for a safetensors header beyond the raw tensor bytes of an update.
 HEADER_SLACK = 1024 * 1024
-#: Seconds past a round's deadline that an upload already under way may still finish in.
-UPLOAD_GRACE_S = 5.0
 #: Most members a server-less round's report may name.
 MAX_GROUP = 4096
 #: Header codec names that mean plain safetensors of the delta.
@@ -157,27 +156,30 @@ class Uploads:
         gateway: Gateway,
         pool: DevicePool,
         budget: ByteBudget,
-        idle_s: float,
+        timeouts: Timeouts,
         clock: Callable[[], float],
     ) -> None:
+        """``timeouts.upload_idle_s`` drops a stalled upload (and bounds a reservation);
+        ``timeouts.upload_grace_s`` lets one under way finish past its round's deadline."""
         self._gateway = gateway
         self._pool = pool
         self._budget = budget
-        self._idle_s = idle_s
+        self._idle_s = timeouts.upload_idle_s
+        self._grace_s = timeouts.upload_grace_s
         self._clock = clock
         self._locks = KeyedLock()
-        self._reservations = Reservations(budget, idle_s)
+        self._reservations = Reservations(budget, self._idle_s)
 
     async def reserve(self, device_id: str, ref: RoundRef, size: int) -> Reservation:
         """Room for an upload of ``size`` bytes, waited for until the round's deadline."""
-        rnd = self._gateway.expect(device_id, ref.job_id, ref.round, ref.round_token)
-        limit = update_limit(rnd.task)
+        open_round = self._gateway.expect(device_id, ref.job_id, ref.round, ref.round_token)
+        limit = update_limit(open_round.task)
         if not 0 <= size <= limit:
             raise WireError(f"update of {size} bytes exceeds the limit of {limit}")
         try:
             key = await asyncio.wait_for(
                 self._reservations.make(device_id, ref.round_token, size),
-                self._time_left(rnd.task.deadline),
+                self._time_left(open_round.task.deadline),
             )
         except asyncio.TimeoutError:
             raise StaleRoundError(
@@ -197,11 +199,13 @@ class Uploads:
     async def _receive(
         self, device_id: str, head: UploadHeader, chunks: AsyncIterator[memoryview | bytes]
     ) -> None:
-        rnd = self._gateway.expect(device_id, head.ref.job_id, head.ref.round, head.ref.round_token)
-        codec = self._codec(rnd, device_id, head)
+        open_round = self._gateway.expect(
+            device_id, head.ref.job_id, head.ref.round, head.ref.round_token
+        )
+        codec = self._codec(open_round, device_id, head)
         if head.num_samples <= 0:
             raise UpdateRejected("num_samples must be positive")
-        limit = update_limit(rnd.task)
+        limit = update_limit(open_round.task)
         if not 0 <= head.payload_size <= limit:
             raise WireError(f"update of {head.payload_size} bytes exceeds the limit of {limit}")
         # The buffer is allocated only once the byte budget admits it (ahead of the stream,
@@ -216,13 +220,14 @@ class Uploads:
             assembler = BlobAssembler(head.payload_size, head.payload_sha256, limit)
             try:
                 payload = await asyncio.wait_for(
-                    self._read(chunks, assembler, device_id), self._time_left(rnd.task.deadline)
+                    self._read(chunks, assembler, device_id),
+                    self._time_left(open_round.task.deadline),
                 )
             except asyncio.TimeoutError:
                 raise StaleRoundError(
                     "stale round: the round closed before this update finished uploading"
                 ) from None
-            delta = decode_update(payload, rnd.task.layout, codec, limit)
+            delta = decode_update(payload, open_round.task.layout, codec, limit)
             # Refuse here, before delivery: a refusal from the engine would cost the device
             # its place in the round, so it could not send a corrected update.
             check_finite(delta)
@@ -236,15 +241,17 @@ class Uploads:
                     **head.metrics,
                     # Measured here, not reported: what this device cost the network.
                     "bytes_up": float(head.payload_size),
-                    "bytes_down": float(rnd.bytes_down.get(device_id, 0)),
+                    "bytes_down": float(open_round.bytes_down.get(device_id, 0)),
                 },
             )
-            await self._gateway.deliver(rnd, update, self._time_left(rnd.task.deadline))
+            await self._gateway.deliver(
+                open_round, update, self._time_left(open_round.task.deadline)
+            )
 
-    def _codec(self, rnd: OpenRound, device_id: str, head: UploadHeader) -> Codec:
-        codec = rnd.task.codec
-        if rnd.task.transport == "p2p":
-            self._gateway.expect_upload(rnd, device_id)
+    def _codec(self, open_round: OpenRound, device_id: str, head: UploadHeader) -> Codec:
+        codec = open_round.task.codec
+        if open_round.task.transport == "p2p":
+            self._gateway.expect_upload(open_round, device_id)
             codec = NoneCodec()  # the group's exact average, as the devices applied it
         sent = PLAIN_CODECS.get(head.codec, head.codec)
         if sent != codec.name:
@@ -256,13 +263,13 @@ class Uploads:
     async def _read(
         self, chunks: AsyncIterator[memoryview | bytes], assembler: BlobAssembler, device_id: str
     ) -> memoryview:
-        idle = self._idle_s
+        idle_s = self._idle_s
         stream = aiter(chunks)
         while True:
             try:
-                data = await asyncio.wait_for(anext(stream, None), idle)
+                data = await asyncio.wait_for(anext(stream, None), idle_s)
             except asyncio.TimeoutError:
-                raise WireError(f"upload stalled: no data for {idle:.0f}s") from None
+                raise WireError(f"upload stalled: no data for {idle_s:.0f}s") from None
             if data is None:
                 return assembler.finish()
             assembler.add(data)
@@ -274,12 +281,12 @@ class Uploads:
         """A server-less round's report; the device is told whether to upload the average."""
         gateway = self._gateway
         try:
-            rnd = gateway.expect(device_id, ref.job_id, ref.round, ref.round_token)
-            if rnd.task.transport != "p2p":
+            open_round = gateway.expect(device_id, ref.job_id, ref.round, ref.round_token)
+            if open_round.task.transport != "p2p":
                 raise WireError("only server-less (p2p) rounds report; this one takes uploads")
-            upload = gateway.report(rnd, checked_report(report))
+            upload = gateway.report(open_round, checked_report(report))
             if not upload:
-                upload = await gateway.hold_reporter(rnd, device_id, hold_s)
+                upload = await gateway.hold_reporter(open_round, device_id, hold_s)
         except StaleRoundError:
             return ReportVerdict(upload=False, round_open=False)
         self._pool.touch(device_id)
@@ -287,4 +294,4 @@ class Uploads:
 
     def _time_left(self, deadline: float) -> float:
         """Seconds an upload may still take: to the round's deadline, plus a little grace."""
-        return max(1.0, deadline - self._clock() + UPLOAD_GRACE_S)
+        return max(1.0, deadline - self._clock() + self._grace_s)

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
@@ -17,9 +16,7 @@ from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto.bulk import UpdatePart
 from flotilla.server.federation.facade import Federation
 from flotilla.server.grpc import wire
-from flotilla.server.grpc.status import Refusal
-
-Context = grpc.aio.ServicerContext[Any, Any]
+from flotilla.server.grpc.status import Context, Refusal
 
 
 class AgentServicer:
@@ -75,16 +72,16 @@ class AgentServicer:
 
     async def FetchModel(self, request: pb.FetchModelRequest, context: Context) -> None:
         device = await self._device(context)
-        idle = self._idle_s
+        idle_s = self._idle_s
         pieces = self._federation.fetch_model(device, request.sha256)
         async with contextlib.aclosing(pieces):
             async for piece in pieces:
                 try:
                     # A reader that stops reading must not hold a download slot forever.
-                    await asyncio.wait_for(context.write(wire.blob_to_wire(piece)), idle)
+                    await asyncio.wait_for(context.write(wire.blob_to_wire(piece)), idle_s)
                 except asyncio.TimeoutError:
                     raise Refusal(
-                        grpc.StatusCode.DEADLINE_EXCEEDED, f"download stalled for {idle:.0f}s"
+                        grpc.StatusCode.DEADLINE_EXCEEDED, f"download stalled for {idle_s:.0f}s"
                     ) from None
 
     async def ReserveUpload(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from flotilla.core.timeouts import Timeouts
 from flotilla.proto import bulk, handlers
 from flotilla.server.federation.facade import Federation
 from flotilla.server.grpc.agent import AgentServicer
@@ -23,7 +24,7 @@ class GrpcSettings:
     max_message_bytes: int = 8 * 1024 * 1024
     speed_test_max_bytes: int = 16 * 1024 * 1024
     #: A stream that sends or takes nothing for this long is dropped.
-    idle_s: float = 15.0
+    idle_s: float = field(default_factory=lambda: Timeouts().upload_idle_s)
 
 
 class GrpcEdge:

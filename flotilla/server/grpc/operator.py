@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
-
-import grpc
 
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.server.federation.facade import Federation
 from flotilla.server.grpc import wire
-
-Context = grpc.aio.ServicerContext[Any, Any]
+from flotilla.server.grpc.status import Context
 
 
 class OperatorServicer:
@@ -21,7 +17,7 @@ class OperatorServicer:
 
     async def _operator(self, context: Context) -> None:
         await self._federation.authenticate_operator(
-            wire.operator_token(context.invocation_metadata())
+            wire.bearer_token(context.invocation_metadata())
         )
 
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Context) -> pb.JobInfo:

@@ -24,6 +24,9 @@ from flotilla.core.errors import (
     WireError,
 )
 
+#: What every handler of both servicers is given besides its request.
+Context = grpc.aio.ServicerContext[Any, Any]
+
 #: Looked up along the error's MRO, so the most specific entry wins (a StaleRoundError
 #: is FAILED_PRECONDITION although it is an UpdateRejected).
 STATUS: Mapping[type[BaseException], grpc.StatusCode] = {

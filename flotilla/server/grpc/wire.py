@@ -34,7 +34,7 @@ def device_credentials(metadata: object) -> tuple[str | None, str | None]:
     return auth.header(md, DEVICE_HEADER), auth.bearer(md)
 
 
-def operator_token(metadata: object) -> str | None:
+def bearer_token(metadata: object) -> str | None:
     return auth.bearer(_pairs(metadata))
 
 
@@ -177,12 +177,12 @@ def volunteer_run_to_pb(info: VolunteerRunInfo) -> pb.VolunteerRunInfo:
 
 __all__ = [
     "DEVICE_HEADER",
+    "bearer_token",
     "blob_to_wire",
     "device_credentials",
     "device_info_to_pb",
     "header_from_pb",
     "job_info",
-    "operator_token",
     "profile_from_pb",
     "report_from_pb",
     "round_ref",

@@ -19,15 +19,13 @@ from typing import Any
 
 from flotilla.core.errors import FlotillaError
 
-START_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 15.0
-
 
 async def spawn_ready(
-    args: list[str], state_dir: Path, ready_name: str, what: str
+    args: list[str], state_dir: Path, ready_name: str, what: str, start_s: float
 ) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
-    """Start ``python ARGS`` and wait for it to write ``state_dir/ready_name``; its stderr
-    goes to ``state_dir/<ready stem>.log``. Returns the process and the file's JSON."""
+    """Start ``python ARGS`` and wait up to ``start_s`` for it to write
+    ``state_dir/ready_name``; its stderr goes to ``state_dir/<ready stem>.log``. Returns the
+    process and the file's JSON."""
     state_dir.mkdir(parents=True, exist_ok=True)
     ready = state_dir / ready_name
     ready.unlink(missing_ok=True)
@@ -41,7 +39,7 @@ async def spawn_ready(
         start_new_session=True,
     )
     log.close()
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + start_s
     while not ready.exists():
         if proc.returncode is not None or time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
@@ -52,14 +50,14 @@ async def spawn_ready(
     return proc, json.loads(ready.read_text())
 
 
-async def stop_child(proc: asyncio.subprocess.Process) -> None:
-    """SIGTERM the child's session, SIGKILL it after STOP_TIMEOUT_S."""
+async def stop_child(proc: asyncio.subprocess.Process, stop_s: float) -> None:
+    """SIGTERM the child's session, SIGKILL it after ``stop_s``."""
     if proc.returncode is not None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:
-        await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+        await asyncio.wait_for(proc.wait(), stop_s)
     except asyncio.TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

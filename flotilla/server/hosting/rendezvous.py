@@ -8,13 +8,14 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from flotilla.core.errors import FlotillaError, WireError
+from flotilla.core.timeouts import Timeouts
 from flotilla.server.hosting.children import spawn_ready, stop_child
 
 #: A libp2p peer id as base58 text (RSA ids are 46 characters, Ed25519 ones 52).
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
 
 
-class Rendezvous:
+class HostedRendezvous:
     """A hivemind DHT node in a child process (flotilla.p2p.rendezvous), shared by every
     server-less job; started when the first of them needs it. The core reaches it through
     ``flotilla.server.federation.ports.Rendezvous``."""
@@ -24,8 +25,10 @@ class Rendezvous:
         state_dir: Path,
         host_maddrs: Sequence[str] | None = None,
         announce_maddrs: Sequence[str] | None = None,
+        timeouts: Timeouts | None = None,
     ) -> None:
         self._dir = state_dir
+        self._timeouts = timeouts or Timeouts()
         self._host_maddrs = host_maddrs
         self._announce_maddrs = announce_maddrs
         self._lock = asyncio.Lock()
@@ -60,7 +63,11 @@ class Rendezvous:
         async with self._lock:
             if self._proc is None or self._proc.returncode is not None:
                 self._proc, info = await spawn_ready(
-                    self._args(), self._dir, "rendezvous.json", "the p2p rendezvous peer"
+                    self._args(),
+                    self._dir,
+                    "rendezvous.json",
+                    "the p2p rendezvous peer",
+                    self._timeouts.child_start_s,
                 )
                 self._maddrs = tuple(str(m) for m in info["maddrs"])
                 if not self._maddrs:
@@ -77,5 +84,5 @@ class Rendezvous:
 
     async def stop(self) -> None:
         if self._proc is not None:
-            await stop_child(self._proc)
+            await stop_child(self._proc, self._timeouts.child_stop_s)
             self._proc = None

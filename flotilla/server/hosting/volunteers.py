@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flotilla.core.errors import SpecError
+from flotilla.core.timeouts import Timeouts
 from flotilla.server.federation.views import VolunteerRunInfo
 from flotilla.server.hosting.children import spawn_ready, stop_child
 
@@ -51,8 +52,10 @@ class VolunteerHost:
         specs: Sequence[VolunteerRunSpec],
         state_dir: Path,
         host_maddrs: Sequence[str] | None = None,
+        timeouts: Timeouts | None = None,
     ) -> None:
         self._specs = list(specs)
+        self._timeouts = timeouts or Timeouts()
         self._dir = state_dir
         self._host_maddrs = host_maddrs
         self.runs: list[HostedRun] = []
@@ -70,7 +73,8 @@ class VolunteerHost:
         if self._host_maddrs:
             args += ["--host-maddrs", *self._host_maddrs]
         what = f"volunteer run {spec.run!r}"
-        proc, info = await spawn_ready(args, state, "coordinator.json", what)
+        start_s = self._timeouts.child_start_s
+        proc, info = await spawn_ready(args, state, "coordinator.json", what, start_s)
         return HostedRun(spec, state, proc, tuple(info["maddrs"]), str(info["public_key"]))
 
     def infos(self) -> list[VolunteerRunInfo]:
@@ -90,4 +94,4 @@ class VolunteerHost:
 
     async def stop(self) -> None:
         for hosted in self.runs:
-            await stop_child(hosted.proc)
+            await stop_child(hosted.proc, self._timeouts.child_stop_s)
