@@ -1,22 +1,25 @@
 """Bytes to accuracy, the figure of merit of a codec, on the digits job.
 
-Every configuration is a job on the same ten real agents (in one process, over the
-in-process transport), each on the same shard, with the same job seed; only the uplink
-codec differs. The server's engine selects five agents a round, decodes their updates,
-aggregates and evaluates each new model on its held-out split; the bytes are what it
-received.
+The codecs are compared in the simulator, on the real engine: ten simulated devices, each
+on the same shard, five a round, the same seeds, on a virtual clock, so every configuration
+trains the same clients with the same selection and only the uplink codec differs. Each
+device's update goes through the agent's pipeline (momentum, codec, error feedback) and
+the server's decoding; the server's evaluator scores each new model on its held-out split;
+the bytes are what the server received. Differential privacy is checked on fifty real
+agents in one process.
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from flotilla.simulation import load_experiment, run_experiment
 from tests.support.databases import database_url, deployment_database
+from tests.support.experiments import rows
 from tests.support.inproc import InProcessFederation, in_process_federation
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -81,19 +84,30 @@ async def run_job(
     return LoopResult.of(await fed.status(job_id, rounds=True))
 
 
-async def run_codecs(root: Path) -> dict[str, LoopResult]:
-    url = database_url(deployment_database(), root)
-    async with in_process_federation(root / "state", url) as fed:
-        await fed.start_agents(10)
-        return {
-            name: await run_job(fed, 10, 5, ROUNDS, *sets, f"job.name={name}")
-            for name, sets in CONFIGS.items()
-        }
+def run_codecs(root: Path) -> dict[str, LoopResult]:
+    """Every configuration as its own simulated experiment of ``ROUNDS`` rounds."""
+    path = root / "codecs.toml"
+    path.write_text(
+        EXAMPLE.read_text() + "\n[population]\nclients = 10\n\n[simulation]\nseed = 0\n"
+    )
+    sizes = ["job.clients_per_round=5", "job.min_quorum=5", "job.over_selection=1.0"]
+    out = {}
+    for name, sets in CONFIGS.items():
+        experiment = load_experiment(path, [f"job.rounds={ROUNDS}", *sizes, *sets])
+        summary = run_experiment(experiment, root / name, progress=False)
+        assert {j["state"] for j in summary["jobs"].values()} == {"completed"}, summary
+        result, spent = LoopResult(), 0
+        for row in rows(root / name):
+            spent += int(row["bytes_up"])
+            result.accuracy.append(float(row["accuracy"]))
+            result.uplink_bytes.append(spent)
+        out[name] = result
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoopResult]:
-    return asyncio.run(run_codecs(tmp_path_factory.mktemp("codecs")))
+    return run_codecs(tmp_path_factory.mktemp("codecs"))
 
 
 def _bytes(runs: dict[str, LoopResult], name: str) -> int:
@@ -120,12 +134,14 @@ def test_without_error_feedback_topk_needs_more_bytes(runs: dict[str, LoopResult
     assert without is None or without >= 1.2 * with_ef, (with_ef, without)
 
 
-async def test_dp_fedavg_still_learns_with_fifty_agents(in_process: InProcessFederation) -> None:
-    await in_process.start_agents(50)
-    await in_process.wait_devices(50, timeout=120)
-    result = await run_job(
-        in_process, 50, 25, 10,
-        "aggregation.strategy=dp_fedavg", "aggregation.params.noise_multiplier=0.7",
-        "aggregation.params.clip_norm=0.5", "aggregation.params.epsilon=1000",
-    )  # fmt: skip
+async def test_dp_fedavg_still_learns_with_fifty_agents(tmp_path: Path) -> None:
+    url = database_url(deployment_database(), tmp_path)
+    async with in_process_federation(tmp_path / "state", url) as fed:
+        await fed.start_agents(50)
+        await fed.wait_devices(50, timeout=120)
+        result = await run_job(
+            fed, 50, 25, 10,
+            "aggregation.strategy=dp_fedavg", "aggregation.params.noise_multiplier=0.7",
+            "aggregation.params.clip_norm=0.5", "aggregation.params.epsilon=1000",
+        )  # fmt: skip
     assert max(result.accuracy[-3:]) > 0.4, f"chance is 0.1: {result.accuracy}"
