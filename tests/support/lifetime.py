@@ -10,10 +10,12 @@ file descriptor", exit -6).
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 
-#: The prefix that binds a command's life to its parent's.
-DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "KILL", "--")
+#: The prefix that binds a command's life to its parent's (setpriv found once, here, so a
+#: command run with an empty PATH still starts).
+DIE_WITH_PARENT = (shutil.which("setpriv") or "/usr/bin/setpriv", "--pdeathsig", "KILL", "--")
 
 
 def bound(argv: Sequence[str]) -> list[str]:
