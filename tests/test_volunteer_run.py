@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from flotilla.tasks.charlm import CharLMTask
@@ -262,6 +263,16 @@ def test_a_federation_server_coordinates_a_volunteer_run_and_lists_it(
             capture_output=True, text=True, env=peers.env, timeout=60,
         )  # fmt: skip
         assert unauthenticated.returncode == 3, unauthenticated.stderr
+        # A server killed with -9 takes its hosted coordinator with it (a survivor would
+        # hold the run's identity against the restarted server).
+        assert server.proc is not None
+        hosted = [
+            p for p in psutil.Process(server.proc.pid).children() if "coordinate" in p.cmdline()
+        ]
+        assert len(hosted) == 1, hosted
+        server.kill9()
+        _, alive = psutil.wait_procs(hosted, timeout=60)
+        assert not alive, "the hosted coordinator outlived its server"
     finally:
         server.stop()
 

@@ -52,6 +52,8 @@ def add_volunteer_parser(commands: Any) -> None:
     )
     coord.add_argument("--checkpoint-every", type=int, default=1, help="epochs")
     coord.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
+    # Set by a server hosting the run: the coordinator stops when the server dies.
+    coord.add_argument("--stop-with-parent", action="store_true", help=argparse.SUPPRESS)
     coord.set_defaults(handler=_coordinate)
 
     runs = sub.add_parser("runs", help="the volunteer runs a federation server coordinates")
@@ -125,7 +127,7 @@ def _join(args: argparse.Namespace) -> int:
 
 def _coordinate(args: argparse.Namespace) -> int:
     from flotilla.p2p import Coordinator, CoordinatorOptions
-    from flotilla.p2p.lifetime import stop_on_signals
+    from flotilla.p2p.lifetime import end_with_parent, stop_on_signals
 
     state_dir = args.state_dir or Path.cwd() / f"flotilla-run-{args.run}"
     record = {
@@ -149,6 +151,8 @@ def _coordinate(args: argparse.Namespace) -> int:
             record=record,
         )
     )
+    if args.stop_with_parent:
+        end_with_parent()
     stop = stop_on_signals()
     try:
         for maddr in coordinator.start():

@@ -32,6 +32,18 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def end_with_parent() -> None:
+    """For a peer a server hosts: the kernel SIGKILLs it when the server dies, however the
+    server dies (a coordinator that outlived a killed server would hold the run's identity
+    against the restarted one; it resumes from its last checkpoint, as after a crash)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
 def stop_on_signals() -> threading.Event:
     """An event set by SIGINT or SIGTERM in this process. Forked workers inherit the
     handler; in them it acts as the signal's default (an event there stops nothing)."""

@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from flotilla.p2p.dht import start_dht, visible_maddrs
-    from flotilla.p2p.lifetime import stop_on_signals
+    from flotilla.p2p.lifetime import end_with_parent, stop_on_signals
 
+    end_with_parent()  # only ever a server's child
     stop = stop_on_signals()
     dht = start_dht(
         host_maddrs=args.host_maddrs,

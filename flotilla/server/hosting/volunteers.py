@@ -68,7 +68,7 @@ class VolunteerHost:
         state = self._dir / spec.run
         args = [
             "-m", "flotilla", "volunteer", "coordinate", "--run", spec.run,
-            "--task", spec.task, "--state-dir", str(state),
+            "--task", spec.task, "--state-dir", str(state), "--stop-with-parent",
         ]  # fmt: skip
         if self._host_maddrs:
             args += ["--host-maddrs", *self._host_maddrs]
