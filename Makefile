@@ -3,6 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
+# Test processes: most tests wait on sockets, processes and timers, so two workers halve the
+# wall time on two cores; hivemind swarms stay on one worker (xdist_group "hivemind").
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint bench proto clean venv torch
 
@@ -23,7 +26,7 @@ demo: torch
 test: torch
 	$(PIP) install -q -e ".[dev]"
 	$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint:
 	$(VENV)/bin/ruff check flotilla tests benchmarks

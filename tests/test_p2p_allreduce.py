@@ -20,6 +20,9 @@ import pytest
 from flotilla.p2p import start_dht
 from tests.support.lifetime import bound
 
+# Hivemind swarms are timing-bound: under xdist they run one at a time, on one worker.
+pytestmark = pytest.mark.xdist_group("hivemind")
+
 PEER = Path(__file__).parent / "support" / "peers" / "allreduce_peer.py"
 SIZE = 10_000_000
 PEERS = 8

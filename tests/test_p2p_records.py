@@ -33,7 +33,8 @@ from flotilla.p2p import (
 )
 from flotilla.p2p.dht import publish_record
 
-pytestmark = pytest.mark.timeout(120)
+# Hivemind swarms are timing-bound: under xdist they run one at a time, on one worker.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("hivemind")]
 
 
 def _record(**kw: object) -> RunRecord:

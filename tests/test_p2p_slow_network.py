@@ -17,6 +17,9 @@ import pytest
 from flotilla.tasks.charlm import CharLMTask
 from tests.support.netimpair import Network, impaired_network
 
+# Hivemind swarms are timing-bound: under xdist they run one at a time, on one worker.
+pytestmark = pytest.mark.xdist_group("hivemind")
+
 TASK = "flotilla.tasks.charlm:CharLMTask"
 PEER = Path(__file__).parent / "support" / "peers" / "allreduce_peer.py"
 SLOW = {"delay_ms": 100.0, "loss": 0.01, "rate_mbit": 20.0}

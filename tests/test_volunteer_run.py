@@ -19,6 +19,9 @@ import pytest
 from flotilla.tasks.charlm import CharLMTask
 from tests.support.lifetime import bound
 
+# Hivemind swarms are timing-bound: under xdist they run one at a time, on one worker.
+pytestmark = pytest.mark.xdist_group("hivemind")
+
 TASK = "flotilla.tasks.charlm:CharLMTask"
 AVERAGING_TIMEOUT_S = 15.0
 RUN_OPTS = [

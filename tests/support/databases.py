@@ -1,6 +1,7 @@
 """The databases a test runs on, in one place: SQLite always, PostgreSQL too when
 ``FLOTILLA_TEST_POSTGRES_URL`` names one (the param exists only then, so it is never
-skipped). The PostgreSQL database is shared by every test: whoever opens it empties it.
+skipped). The PostgreSQL database is shared by every test of one pytest process (each
+xdist worker has its own): whoever opens it empties it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,33 @@ import pytest
 if TYPE_CHECKING:
     from flotilla.server.federation.store import Store
 
-POSTGRES_URL = os.environ.get("FLOTILLA_TEST_POSTGRES_URL")
+
+def _per_worker(url: str | None) -> str | None:
+    """The PostgreSQL database of this pytest-xdist worker (``test_gw0``, ``test_gw1``, ...):
+    a test empties the database it opens, so two workers sharing one would wipe each
+    other's rows mid-test. Without xdist (or PostgreSQL) the URL is unchanged."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not url or not worker:
+        return url
+    import asyncpg
+    from sqlalchemy.engine import make_url
+
+    base = make_url(url)
+    name = f"{base.database}_{worker}"
+
+    async def ensure() -> None:
+        conn = await asyncpg.connect(base.set(drivername="postgresql").render_as_string(False))
+        try:
+            if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
+                await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+
+    asyncio.run(ensure())
+    return base.set(database=name).render_as_string(hide_password=False)
+
+
+POSTGRES_URL = _per_worker(os.environ.get("FLOTILLA_TEST_POSTGRES_URL"))
 
 
 def database_params() -> list[Any]:
