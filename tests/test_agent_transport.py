@@ -13,11 +13,9 @@ import dataclasses
 import itertools
 import json
 import random
-import sys
 import threading
 import time
-import types
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +45,7 @@ from flotilla.client.transport import (
     SpeedTest,
     SubmitUpdate,
 )
-from flotilla.core.allreduce import Contribution
+from flotilla.core.allreduce import Contribution, GroupAgreement, PeerOptions
 from flotilla.core.blobs import sha256_hex
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import (
@@ -186,7 +184,9 @@ def make_agent(
     state_dir: Path | None = None,
     timeouts: Timeouts | None = None,
     pauses: PauseCounter | None = None,
+    averaging: list[FakeAveraging] | None = None,
 ) -> tuple[Agent, MockTransport, CannedTrainer]:
+    """An agent on ``server``; its server-less rounds' peers are appended to ``averaging``."""
     trainer = trainer or CannedTrainer()
     transport = MockTransport(server)
     config = AgentConfig(
@@ -197,8 +197,19 @@ def make_agent(
         timeouts=timeouts or Timeouts(),
         speed_test_bytes=4096,
         backoff_cap_s=CAP_S,
+        averaging=None
+        if averaging is None
+        else lambda o: averaging.append(FakeAveraging(o)) or averaging[-1],
     )
     return Agent(config, pauses or PauseCounter(0), transport), transport, trainer
+
+
+def _recording(made: list[FakeAveraging]) -> Callable[[PeerOptions], FakeAveraging]:
+    def make(options: PeerOptions) -> FakeAveraging:
+        made.append(FakeAveraging(options))
+        return made[-1]
+
+    return make
 
 
 class PauseCounter(random.Random):
@@ -302,31 +313,21 @@ GROUP = (Contribution("device-1", 8, {"loss": 0.5}), Contribution("device-2", 6,
 
 
 @dataclass
-class FakeAverager:
-    """Stands in for the hivemind all-reduce: every member agrees on the same average."""
+class FakeAveraging:
+    """Stands in for the hivemind all-reduce (the agent's ``averaging`` seam): every member
+    agrees on the same model."""
 
-    options: Any
+    options: PeerOptions
     calls: list[tuple[str, Contribution, float]] = field(default_factory=list)
 
-    def average(self, key: str, plan: Any, delta: Any, me: Contribution, left: float) -> Any:
+    def agree(
+        self, key: str, base: memoryview, delta: Any, me: Contribution, left: float, config: Any
+    ) -> GroupAgreement:
         self.calls.append((key, me, left))
-        return types.SimpleNamespace(
-            delta=delta, contributors=GROUP, group_id="group-7", seconds=0.25, reverted=1
-        )
+        return GroupAgreement(AGREED_SHA, AVERAGE, GROUP, "group-7", seconds=0.25, reverted=1)
 
     def shutdown(self) -> None:
         pass
-
-
-@pytest.fixture
-def fake_p2p(monkeypatch: pytest.MonkeyPatch) -> list[FakeAverager]:
-    """``flotilla.p2p.federated`` without hivemind or torch; the averagers it made."""
-    made: list[FakeAverager] = []
-    module = types.ModuleType("flotilla.p2p.federated")
-    module.UpdateAverager = lambda options: made.append(FakeAverager(options)) or made[-1]  # type: ignore[attr-defined]
-    module.agreed_model = lambda base, agreed, config: (AGREED_SHA, AVERAGE)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "flotilla.p2p.federated", module)
-    return made
 
 
 def server_less_order() -> WorkOrder:
@@ -335,18 +336,17 @@ def server_less_order() -> WorkOrder:
     return dataclasses.replace(order(), config_json=json.dumps({"p2p": plan}))
 
 
-async def test_a_server_less_round_reports_the_agreed_model_and_uploads_when_asked(
-    fake_p2p: list[FakeAverager],
-) -> None:
+async def test_a_server_less_round_reports_the_agreed_model_and_uploads_when_asked() -> None:
     work = server_less_order()
     server = FakeServer(
         orders=[work],
         verdicts=[ReportVerdict(upload=False, round_open=True), ReportVerdict(True, True)],
     )
-    agent, _, _ = make_agent(server, CannedTrainer(server_less=True))
+    made: list[FakeAveraging] = []
+    agent, _, _ = make_agent(server, CannedTrainer(server_less=True), averaging=made)
     await run_until(agent, server.drained)
 
-    [averager] = fake_p2p
+    [averager] = made
     [(key, me, left)] = averager.calls
     assert key == work.round_token and me == Contribution("device-1", 8, {"loss": 0.5})
     assert 0 < left < 60
@@ -362,13 +362,11 @@ async def test_a_server_less_round_reports_the_agreed_model_and_uploads_when_ask
     assert submit.header.payload_sha256 == sha256_hex(AVERAGE)
 
 
-async def test_a_server_less_round_that_closes_uploads_nothing(
-    fake_p2p: list[FakeAverager],
-) -> None:
+async def test_a_server_less_round_that_closes_uploads_nothing() -> None:
     server = FakeServer(
         orders=[server_less_order()], verdicts=[ReportVerdict(upload=False, round_open=False)]
     )
-    agent, _, _ = make_agent(server, CannedTrainer(server_less=True))
+    agent, _, _ = make_agent(server, CannedTrainer(server_less=True), averaging=[])
     await run_until(agent, server.drained)
 
     assert len(server.of(ReportAverage)) == 1

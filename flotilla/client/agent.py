@@ -16,10 +16,9 @@ import logging
 import random
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from flotilla.client.backoff import Backoff
 from flotilla.client.credentials import CredentialFile
@@ -39,7 +38,7 @@ from flotilla.client.transport import (
     SpeedTest,
     SubmitUpdate,
 )
-from flotilla.core.allreduce import Contribution, PeerOptions
+from flotilla.core.allreduce import Contribution, GroupAveraging, PeerOptions
 from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import (
@@ -74,6 +73,9 @@ class AgentConfig:
     max_model_bytes: int = 2**32
     #: This device's hivemind peer, for server-less (p2p) rounds.
     p2p: PeerOptions = field(default_factory=PeerOptions)
+    #: Makes the device's peer at its first server-less round; None: hivemind's
+    #: (``flotilla.p2p.federated``, the ``p2p`` extra).
+    averaging: Callable[[PeerOptions], GroupAveraging] | None = None
 
 
 class Agent:
@@ -97,7 +99,7 @@ class Agent:
         self._credential: DeviceCredential | None = None
         self._model: tuple[str, memoryview] | None = None
         self._pending_profile: DeviceProfile | None = None
-        self._averager: Any = None  # flotilla.p2p.UpdateAverager, made at the first p2p round
+        self._averager: GroupAveraging | None = None  # made at the first p2p round
         self._p2p = config.p2p
         self._peer_id = ""
         self._identity_dir: tempfile.TemporaryDirectory[str] | None = None
@@ -247,6 +249,18 @@ class Agent:
                 await beat
         self.rounds_done += 1
 
+    def _make_averaging(self, job_id: str) -> GroupAveraging:
+        if self.config.averaging is not None:
+            return self.config.averaging(self._p2p)
+        try:
+            from flotilla.p2p.federated import UpdateAverager
+        except ImportError as exc:
+            raise FlotillaError(
+                f"job {job_id} averages peer to peer: this device needs the p2p extra "
+                f"(pip install 'flotilla[p2p]'): {exc}"
+            ) from exc
+        return UpdateAverager(self._p2p)
+
     async def _average(
         self,
         task: WorkOrder,
@@ -256,32 +270,23 @@ class Agent:
     ) -> None:
         """A server-less round: all-reduce with the group, report the model it agreed on,
         upload the average when asked; until the round closes, in case the server asks."""
-        try:
-            from flotilla.p2p.federated import UpdateAverager, agreed_model
-        except ImportError as exc:
-            raise FlotillaError(
-                f"job {task.job_id} averages peer to peer: this device needs the p2p extra "
-                f"(pip install 'flotilla[p2p]'): {exc}"
-            ) from exc
-
         config = RoundConfig.from_json(task.config_json)
         assert config.p2p is not None and outcome.delta is not None and self.device_id
         if self._averager is None:
-            self._averager = UpdateAverager(self._p2p)
+            self._averager = self._make_averaging(task.job_id)
         me = Contribution(self.device_id, outcome.num_samples, outcome.metrics)
         left = task.deadline - time.time() - self.config.timeouts.report_margin_s
         token = task.round_token[:8]  # the group key is a secret: log only its start
         log.info("round %d of %s: averaging in group %s...", task.round, task.job_id, token)
         agreed = await asyncio.to_thread(
-            self._averager.average, task.round_token, config.p2p, outcome.delta, me, left
+            self._averager.agree, task.round_token, model, outcome.delta, me, left, config
         )
-        sha, payload = await asyncio.to_thread(agreed_model, model, agreed, config)
         log.info(
             "round %d of %s: agreed model %s with %d contributors",
-            task.round, task.job_id, sha, len(agreed.contributors),
+            task.round, task.job_id, agreed.model_sha256, len(agreed.contributors),
         )  # fmt: skip
         report = AverageReport(
-            model_sha256=sha,
+            model_sha256=agreed.model_sha256,
             group_id=agreed.group_id,
             contributors=tuple(agreed.contributors),
             allreduce_s=agreed.seconds,
@@ -292,7 +297,7 @@ class Agent:
         while round_open.is_set() and time.time() < task.deadline:
             reply = await self._transport.send(ReportAverage(self._me, task.ref, report, hold_s))
             if reply.upload:
-                upload = TrainOutcome(outcome.num_samples, outcome.metrics, payload)
+                upload = TrainOutcome(outcome.num_samples, outcome.metrics, agreed.upload)
                 await self._submit(task, upload)
                 return
             if not reply.round_open:

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from flotilla.core.errors import WireError
 
@@ -122,3 +122,38 @@ class PeerOptions:
     announce_maddrs: tuple[str, ...] | None = None
     client_mode: bool = False
     identity_path: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAgreement:
+    """What a device's group agreed on in one server-less round: the next model's
+    SHA-256 (as the server will rebuild it), the upload the server may ask for (the
+    group's average update), and who took part."""
+
+    model_sha256: str
+    upload: bytes
+    contributors: tuple[Contribution, ...]
+    group_id: str
+    seconds: float
+    #: Attempts reverted (incomplete) before the committed one.
+    reverted: int = 0
+
+
+class GroupAveraging(Protocol):
+    """A device's peer in the swarm of server-less rounds (``flotilla.p2p.federated``
+    implements it with hivemind); the agent takes it as a seam, so it can run without."""
+
+    def agree(
+        self,
+        group_key: str,
+        base: memoryview,
+        delta: Any,
+        me: Contribution,
+        timeout_s: float,
+        config: Any,
+    ) -> GroupAgreement:
+        """All-reduce ``delta`` with the round's group; blocks at most ``timeout_s`` and
+        raises ``FlotillaError`` when no complete round could be made in time."""
+        ...
+
+    def shutdown(self) -> None: ...

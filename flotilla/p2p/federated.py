@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flotilla.core.allreduce import Contribution, GroupPlan, PeerOptions
+from flotilla.core.allreduce import Contribution, GroupAgreement, GroupPlan, PeerOptions
 from flotilla.core.errors import FlotillaError
 from flotilla.core.tensors import ModelState
 
@@ -116,6 +116,23 @@ class UpdateAverager:
         )
         return AgreedAverage(
             out, contributors, result.group_id, result.seconds, len(result.reverted)
+        )
+
+    def agree(
+        self,
+        group_key: str,
+        base: memoryview,
+        delta: ModelState,
+        me: Contribution,
+        timeout_s: float,
+        config: Any,
+    ) -> GroupAgreement:
+        """One server-less round for an agent (:class:`~flotilla.core.allreduce.GroupAveraging`):
+        all-reduce, then the model the group agreed on and the upload."""
+        agreed = self.average(group_key, config.p2p, delta, me, timeout_s)
+        sha, upload = agreed_model(base, agreed, config)
+        return GroupAgreement(
+            sha, upload, agreed.contributors, agreed.group_id, agreed.seconds, agreed.reverted
         )
 
     def shutdown(self) -> None:
