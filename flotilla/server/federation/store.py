@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import event, insert, select, update
+from sqlalchemy import event, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL, Connection, make_url
@@ -293,6 +293,10 @@ class Store:
         async with self._read() as s:
             rows = await s.scalars(select(DeviceRow).order_by(DeviceRow.enrolled_at, DeviceRow.id))
             return [_device_record(r) for r in rows]
+
+    async def count_devices(self) -> int:
+        async with self._read() as s:
+            return int(await s.scalar(select(func.count()).select_from(DeviceRow)) or 0)
 
     async def update_device(
         self,
