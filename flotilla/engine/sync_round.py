@@ -46,7 +46,12 @@ class SyncRounds:
         ctx.observe(tally, round_no, lease.devices)
         quorum = min(ctx.spec.job.min_quorum, len(lease.devices))
         want = ctx.spec.job.clients_per_round
-        ended = "with enough updates" if aggregator.count >= want else "at the deadline"
+        if aggregator.count >= want:
+            ended = "with enough updates"
+        elif ctx.clock() >= lease.work.task.deadline:
+            ended = "at the deadline"
+        else:
+            ended = "once no device owed an update"
         decisions.append(f"closed {ended}: {aggregator.count} of {want} (quorum {quorum})")
         if aggregator.count < quorum:
             log.warning(

@@ -45,6 +45,7 @@ from flotilla.core.records import (
     DeviceRecord,
     JobRecord,
     ParticipationRecord,
+    RoundAccount,
     RoundCommit,
     RoundRecord,
 )
@@ -437,6 +438,7 @@ class Store:
                         metrics_json=_floats(c.metrics),
                         started_at=c.started_at,
                         committed_at=c.committed_at,
+                        account_json=c.account.to_json(),
                     )
                 )
                 if c.participants:
@@ -493,6 +495,7 @@ class Store:
                     started_at=r.started_at,
                     committed_at=r.committed_at,
                     participants=tuple(by_round.get(r.round, ())),
+                    account=RoundAccount.from_json(r.account_json),
                 )
                 for r in rounds
             ]
