@@ -36,16 +36,17 @@ REFUSAL_REASONS: tuple[str, ...] = (
 
 #: Why a selected device delivered nothing usable to a round (``DeviceFailed.reason``).
 FAILURE_REASONS: tuple[str, ...] = (
-    #: Nothing arrived before the round closed.
+    #: Nothing arrived before the round's deadline.
     "deadline",
+    #: Still out when the round closed with enough updates from others (over-selection:
+    #: a straggler, or a device that dropped out unseen).
+    "cut_off",
     #: The device signed off.
     "left",
     #: The device stopped answering (reaped by the liveness check).
     "silent",
     #: The device polled for new work instead of finishing this round's.
     "abandoned",
-    #: Its update arrived, but the round had moved on (already had enough updates).
-    "surplus",
     #: Its update was refused by the aggregation strategy.
     "refused",
     #: Its sender stopped waiting for a verdict.

@@ -224,7 +224,7 @@ class P2PRounds:
                 f"{len(agreed.supporters)} of {len(agreement.reports)} reports agreed on "
                 f"model {agreed.sha256[:12]} (quorum {plan.min_group_size})"
             )
-        tally.close(selected)
+        tally.close(selected, full=agreed is not None)
         ctx.observe(tally, round_no, selected)
         if agreed is None:
             ctx.retried(round_no, "no_agreement")

@@ -46,7 +46,7 @@ from flotilla.engine.plan import JobPlan
 from flotilla.engine.ports import Evaluator
 from flotilla.engine.services import EngineConfig, EngineServices, P2PPeers
 from flotilla.engine.sync_round import SyncRounds
-from flotilla.engine.tally import SURPLUS, RoundTally
+from flotilla.engine.tally import RoundTally
 from flotilla.scheduling import DeviceRequest, Grant, Lease, Selector
 
 log = logging.getLogger(__name__)
@@ -282,7 +282,8 @@ class JobRunner:
         aggregator = self.aggregator
         if staleness is None and aggregator.count >= self._spec.job.clients_per_round:
             result.settle("round already has enough updates")
-            tally.fail(update.device_id, SURPLUS)
+            tally.failures.append(update.device_id)  # the scheduler counts it a miss
+            tally.stale.append(update.device_id)
             return False
         try:
             if staleness is None:

@@ -42,10 +42,10 @@ class SyncRounds:
                 await _collect(ctx, results, lease.work.task, tally)
         finally:
             lease.free(tally.done())
-        tally.close(lease.devices)
+        want = ctx.spec.job.clients_per_round
+        tally.close(lease.devices, full=aggregator.count >= want)
         ctx.observe(tally, round_no, lease.devices)
         quorum = min(ctx.spec.job.min_quorum, len(lease.devices))
-        want = ctx.spec.job.clients_per_round
         if aggregator.count >= want:
             ended = "with enough updates"
         elif ctx.clock() >= lease.work.task.deadline:

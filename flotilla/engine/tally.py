@@ -12,9 +12,6 @@ from flotilla.core.update import COMPUTE_METRIC, LOSS_METRIC
 from flotilla.engine.backend import RoundResult
 from flotilla.scheduling import Grant, RoundOutcome
 
-#: A failure reason that is really a stale arrival: the update came, the round was full.
-SURPLUS = "surplus"
-
 
 @dataclass(slots=True)
 class RoundTally:
@@ -23,7 +20,8 @@ class RoundTally:
     failures: list[str] = field(default_factory=list)
     #: Device -> why it failed (one of ``core.events.FAILURE_REASONS``).
     reasons: dict[str, str] = field(default_factory=dict)
-    #: Devices whose accepted update trained on an older model (buffered rounds).
+    #: Devices whose update came (or will come) after the round had moved on: it was
+    #: already full, or (buffered rounds) the update trained on an older model.
     stale: list[str] = field(default_factory=list)
     durations: dict[str, float] = field(default_factory=dict)
     #: How the arbiter decided this round's devices (recorded with its metrics).
@@ -52,26 +50,24 @@ class RoundTally:
         """Devices that delivered or failed: they owe this round nothing more."""
         return self.durations.keys() | set(self.failures)
 
-    def close(self, selected: Sequence[str]) -> None:
-        """The round stopped listening: selected devices that sent nothing missed the
-        deadline (they are failures for the round's record, not for the scheduler, which
-        learns of them when they return)."""
+    def close(self, selected: Sequence[str], full: bool) -> None:
+        """The round stopped listening. Selected devices that still owe it an update were
+        ``cut_off`` when it closed ``full``, or missed its ``deadline`` (failures for the
+        round's record and the event stream; the scheduler learns of them when they
+        return or go silent)."""
         self.selected = tuple(selected)
-        done = self.done()
+        done = self.done() | {p.device_id for p in self.accepted} | set(self.stale)
+        reason = "cut_off" if full else "deadline"
         for device_id in selected:
             if device_id not in done:
-                self.reasons.setdefault(device_id, "deadline")
+                self.reasons[device_id] = reason
 
     def account(self) -> RoundAccount:
         """The round's record beyond its participants (see ``RoundAccount``)."""
-        failures = tuple(
-            DeviceFailure(d, r) for d, r in sorted(self.reasons.items()) if r != SURPLUS
-        )
-        stale = {d for d, r in self.reasons.items() if r == SURPLUS} | set(self.stale)
         return RoundAccount(
             selected=self.selected,
-            failures=failures,
-            stale=tuple(sorted(stale)),
+            failures=tuple(DeviceFailure(d, r) for d, r in sorted(self.reasons.items())),
+            stale=tuple(sorted(set(self.stale))),
             bytes_up=round(self.metrics.get("bytes_up", _total(self.accepted, "bytes_up"))),
             bytes_down=round(_total(self.accepted, "bytes_down")),
             decisions=tuple(self.decisions),
