@@ -4,6 +4,8 @@ Prometheus text and its numbers agree with what the store recorded."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -155,3 +157,29 @@ def test_every_metric_is_exposed_before_anything_happens() -> None:
     assert value(samples, "flotilla_devices", state="idle") == 4.0
     assert value(samples, "flotilla_devices", state="offline") == 0.0
     assert value(scrape(a), "flotilla_devices", state="idle") == 0.0
+
+
+def test_the_docs_and_the_grafana_dashboard_name_only_real_metrics() -> None:
+    """Every ``flotilla_*`` series docs/metrics.md or the Grafana dashboard mentions is one
+    the server exposes, and every metric the server exposes is documented."""
+    exposed: set[str] = set()  # every series name a scrape can hold
+    documented: set[str] = set()  # how the page's table names each metric
+    families = text_string_to_metric_families(PrometheusMetrics().exposition()[0].decode())
+    for family in families:
+        if family.name.endswith("_created"):
+            continue  # prometheus_client's start time of each counter and histogram
+        if family.type == "histogram":
+            exposed |= {family.name + s for s in ("", "_bucket", "_sum", "_count")}
+            documented.add(family.name)
+        else:
+            name = family.name + ("_total" if family.type == "counter" else "")
+            exposed.add(name)
+            documented.add(name)
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    page = (docs / "metrics.md").read_text()
+    dashboard = (docs / "grafana-dashboard.json").read_text()
+    json.loads(dashboard)
+    for text in (page, dashboard):
+        mentioned = set(re.findall(r"\bflotilla_[a-z_]+", text))
+        assert mentioned and mentioned <= exposed, sorted(mentioned - exposed)
+    assert set(re.findall(r"^\| `(flotilla_[a-z_]+)`", page, re.MULTILINE)) == documented
