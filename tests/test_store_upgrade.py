@@ -14,7 +14,13 @@ import pytest
 from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from flotilla.core.records import DeviceRecord, ParticipationRecord, RoundCommit
+from flotilla.core.records import (
+    DeviceFailure,
+    DeviceRecord,
+    ParticipationRecord,
+    RoundAccount,
+    RoundCommit,
+)
 from flotilla.server.federation.migrations import HEAD
 from flotilla.server.federation.store import Store, async_url
 from tests.support.previous_schema import DDL
@@ -185,6 +191,7 @@ async def test_a_previous_release_database_is_upgraded_and_keeps_its_rows(db_url
             20.0,
         )
         assert rnd.metrics == {"accuracy": 0.5, "loss": 1.25}
+        assert rnd.account == RoundAccount()  # committed before rounds kept an account
         assert rnd.participants == (
             ParticipationRecord(
                 "job-1", 1, "dev-a", 64, 11.0, 15.0, {"bytes_up": 4096, "loss": 1.5}
@@ -207,11 +214,16 @@ async def test_a_previous_release_database_is_upgraded_and_keeps_its_rows(db_url
 
         # New writes land in the upgraded tables and read back.
         part = ParticipationRecord("job-1", 2, "dev-b", 32, 21.0, 25.0, {"loss": 0.75})
+        account = RoundAccount(("dev-a", "dev-b"), (DeviceFailure("dev-a", "left"),))
         after = await store.commit_round(
-            RoundCommit("job-1", 2, sha(2), {"accuracy": 0.75}, 21.0, 30.0, (part,))
+            RoundCommit(
+                "job-1", 2, sha(2), {"accuracy": 0.75}, 21.0, 30.0, (part,), account=account
+            )
         )
         assert (after.rounds_committed, after.metrics) == (2, {"accuracy": 0.75})
-        assert [r.round for r in await store.list_rounds("job-1")] == [1, 2]
+        rounds = await store.list_rounds("job-1")
+        assert [r.round for r in rounds] == [1, 2]
+        assert [r.account for r in rounds] == [RoundAccount(), account]
         assert (await store.list_participations("job-1"))[-1] == part
         updated = await store.update_device("dev-b", profile={"gflops": 3.0}, tasks=["digits"])
         assert (updated.tasks, updated.profile) == (("digits",), {"gflops": 3.0})

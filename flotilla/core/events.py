@@ -8,9 +8,69 @@ The engine, the server core and the edges *emit* these; Prometheus counters
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+#: Why an update was refused: the bounded label set of ``UpdateRefused.reason`` (and so of
+#: the ``reason`` label of ``flotilla_updates_refused_total``).
+REFUSAL_REASONS: tuple[str, ...] = (
+    #: The round is not open for this device (it closed, moved on, or never chose it).
+    "stale",
+    #: The upload did not finish before the round's deadline (plus grace).
+    "late",
+    #: Larger than the model's layout allows.
+    "oversized",
+    #: Tensors missing, extra, or of the wrong shape or dtype for the model.
+    "shape",
+    #: NaN or infinity in the update.
+    "non_finite",
+    #: Unreadable: bad framing, checksum, codec, reservation, sample count, stalled stream.
+    "malformed",
+    #: Well-formed, but the engine would not take it (round full, refused by the strategy).
+    "refused",
+)
+
+#: Why a selected device delivered nothing usable to a round (``DeviceFailed.reason``).
+FAILURE_REASONS: tuple[str, ...] = (
+    #: Nothing arrived before the round's deadline.
+    "deadline",
+    #: Still out when the round closed with enough updates from others (over-selection:
+    #: a straggler, or a device that dropped out unseen).
+    "cut_off",
+    #: The device signed off.
+    "left",
+    #: The device stopped answering (reaped by the liveness check).
+    "silent",
+    #: The device polled for new work instead of finishing this round's.
+    "abandoned",
+    #: Its update was refused by the aggregation strategy.
+    "refused",
+    #: Its sender stopped waiting for a verdict.
+    "gave_up",
+    #: A simulated dropout, or a reason the backend gave that fits none of the above.
+    "dropped",
+)
+
+
+def failure_reason(text: str) -> str:
+    """The bounded label for a backend's free-text failure reason."""
+    lowered = text.lower()
+    for reason, marks in _FAILURE_MARKS:
+        if any(m in lowered for m in marks):
+            return reason
+    return "dropped"
+
+
+_FAILURE_MARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("left", ("left",)),
+    ("silent", ("silent",)),
+    ("abandoned", ("abandon",)),
+    ("deadline", ("deadline", "timed out", "timeout")),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +97,8 @@ class RoundRetried:
 
 @dataclass(frozen=True, slots=True)
 class UpdateAccepted:
+    """An uploaded update the round took (``size_bytes``: its payload on the wire)."""
+
     job_id: str
     device_id: str
     size_bytes: int
@@ -44,9 +106,18 @@ class UpdateAccepted:
 
 @dataclass(frozen=True, slots=True)
 class UpdateRefused:
-    """An update the server would not take. ``reason`` is one of a small fixed set
-    (``shape``, ``non_finite``, ``stale``, ``oversized``, ``malformed``, ``late``) so a
-    metric labelled by it stays bounded."""
+    """An update the server would not take. ``reason`` is one of :data:`REFUSAL_REASONS`,
+    so a metric labelled by it stays bounded."""
+
+    job_id: str
+    device_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceFailed:
+    """A device selected for a round delivered nothing usable to it (``reason``: one of
+    :data:`FAILURE_REASONS`)."""
 
     job_id: str
     device_id: str
@@ -63,8 +134,8 @@ class BytesSent:
 
 @dataclass(frozen=True, slots=True)
 class DeviceChanged:
-    """A device enrolled, came back, left or went silent (``state``: ``online``,
-    ``offline``)."""
+    """A device enrolled, came back, left or went silent (``state``: ``enrolled``,
+    ``online``, ``offline``)."""
 
     device_id: str
     state: str
@@ -72,7 +143,8 @@ class DeviceChanged:
 
 @dataclass(frozen=True, slots=True)
 class JobChanged:
-    """A job was submitted, finished, failed or was cancelled (``state`` is its new one)."""
+    """A job was submitted, started, finished, failed or was cancelled (``state`` is its
+    new one: ``pending``, ``running``, ``completed``, ``failed``, ``cancelled``)."""
 
     job_id: str
     state: str
@@ -97,6 +169,7 @@ Event = (
     | RoundRetried
     | UpdateAccepted
     | UpdateRefused
+    | DeviceFailed
     | BytesSent
     | DeviceChanged
     | JobChanged
@@ -119,11 +192,18 @@ class NoEvents:
 
 
 class Fanout:
-    """Hands every event to each of ``sinks`` in turn (metrics, live feed, ...)."""
+    """Hands every event to each of ``sinks`` in turn (metrics, live feed, ...).
+
+    Emitters hold a ``Fanout``, never a bare sink: a sink that raises is logged and
+    skipped, so a broken consumer can never fail a round, an upload or a poll.
+    """
 
     def __init__(self, sinks: Iterable[EventSink]) -> None:
         self._sinks = tuple(sinks)
 
     def emit(self, event: Event) -> None:
         for sink in self._sinks:
-            sink.emit(event)
+            try:
+                sink.emit(event)
+            except Exception:
+                log.exception("event sink %s failed on %s", type(sink).__name__, event)

@@ -6,7 +6,9 @@ store; treat them as read-only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Every state a job can be in, in lifecycle order.
 JOB_STATES: tuple[str, ...] = ("pending", "running", "completed", "failed", "cancelled")
@@ -86,6 +88,61 @@ class ParticipationRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceFailure:
+    """A device selected for a round that delivered nothing usable, and why (one of
+    :data:`flotilla.core.events.FAILURE_REASONS`)."""
+
+    device_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoundAccount:
+    """How a committed round went beyond who delivered: what the dashboard's round
+    timeline shows. Rounds committed before it was recorded read back empty."""
+
+    #: Devices the scheduler dispatched the round to.
+    selected: tuple[str, ...] = ()
+    failures: tuple[DeviceFailure, ...] = ()
+    #: Devices whose update arrived after the round had moved on (a full synchronous
+    #: round; a FedBuff update trained on an older model).
+    stale: tuple[str, ...] = ()
+    #: Update bytes the server took in, and model bytes its contributors downloaded.
+    bytes_up: int = 0
+    bytes_down: int = 0
+    #: What the scheduler and engine decided, one short line each.
+    decisions: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (the store's column, the simulation's ``metrics.jsonl``)."""
+        return {
+            "selected": list(self.selected),
+            "failures": [{"device_id": f.device_id, "reason": f.reason} for f in self.failures],
+            "stale": list(self.stale),
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "decisions": list(self.decisions),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> RoundAccount:
+        """Read back what :meth:`to_json` wrote; missing keys (older rows) read as empty."""
+        if not data:
+            return cls()
+        return cls(
+            selected=tuple(str(d) for d in data.get("selected", ())),
+            failures=tuple(
+                DeviceFailure(str(f["device_id"]), str(f["reason"]))
+                for f in data.get("failures", ())
+            ),
+            stale=tuple(str(d) for d in data.get("stale", ())),
+            bytes_up=int(data.get("bytes_up", 0)),
+            bytes_down=int(data.get("bytes_down", 0)),
+            decisions=tuple(str(d) for d in data.get("decisions", ())),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class RoundRecord:
     """A committed round as read back from the store, with its participants."""
 
@@ -96,6 +153,7 @@ class RoundRecord:
     started_at: float
     committed_at: float
     participants: tuple[ParticipationRecord, ...]
+    account: RoundAccount = field(default_factory=RoundAccount)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,3 +171,4 @@ class RoundCommit:
     aggregator_sha256: str = ""
     #: Blob of the scheduler's history of this job's devices after this round.
     scheduler_sha256: str = ""
+    account: RoundAccount = field(default_factory=RoundAccount)

@@ -74,6 +74,10 @@ class BufferedRounds:
                 del arrival
                 if not aggregator.ready():
                     continue
+                tally.decisions.append(
+                    f"buffer full: {len(tally.accepted)} updates, {len(tally.stale)} trained "
+                    "on an older model"
+                )
                 try:
                     await ctx.commit(ctx.job.rounds_committed + 1, started, tally)
                 except UpdateRejected as exc:
@@ -118,13 +122,10 @@ def _take(
     training.pop(device_id, None)
     arrival.lease.free([device_id])
     staleness = ctx.job.rounds_committed - arrival.version
-    one = RoundTally()  # this arrival alone, for the scheduler
-    if ctx.fold(result, one, staleness=staleness):
-        tally.accepted += one.accepted
-        tally.durations.update(one.durations)
-    else:
-        tally.failures += one.failures
-    ctx.observe(one.outcome(ctx.job.id, arrival.version + 1, (device_id,)))
+    one = RoundTally(selected=(device_id,))  # this arrival alone, for the scheduler
+    ctx.fold(result, one, staleness=staleness)
+    tally.merge(one)
+    ctx.observe(one, arrival.version + 1, (device_id,))
 
 
 def _top_up(

@@ -20,7 +20,7 @@ from flotilla.engine.backend import ResultStream, RoundResult, TrainTask
 from flotilla.engine.plan import JobPlan
 from flotilla.engine.services import EngineConfig, P2PPeers
 from flotilla.engine.tally import RoundTally
-from flotilla.scheduling import Grant, Lease, RoundOutcome
+from flotilla.scheduling import Grant, Lease
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +78,9 @@ class RoundContext(Protocol):
         """Hand one result to the aggregator and settle it; True when it was taken."""
         ...
 
-    def observe(self, outcome: RoundOutcome) -> None:
-        """Tell the scheduler how a round (or one buffered arrival) went."""
+    def observe(self, tally: RoundTally, round_no: int, selected: Sequence[str]) -> None:
+        """Tell the scheduler how a round (or one buffered arrival) went, and the event
+        stream which devices failed it and why."""
         ...
 
     async def commit(
@@ -94,6 +95,11 @@ class RoundContext(Protocol):
 
     async def rollback(self) -> None:
         """Forget what an uncommitted round did to the aggregator's state."""
+        ...
+
+    def retried(self, round_no: int, reason: str) -> None:
+        """A round attempt ends without a commit (``reason``: ``quorum``, ``no_devices``,
+        ``no_agreement``); it will be tried again."""
         ...
 
     def refused(self, round_no: int, exc: UpdateRejected) -> None:

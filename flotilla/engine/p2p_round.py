@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from flotilla.compression import apply_average
 from flotilla.core.allreduce import GroupPlan
 from flotilla.core.errors import FlotillaError, UpdateRejected
+from flotilla.core.events import failure_reason
 from flotilla.core.records import ParticipationRecord
 from flotilla.core.tensors import ModelState, state_sha256
 from flotilla.engine.backend import Delivered, Failed, Reported, RoundResult, TrainTask
 from flotilla.engine.context import RoundContext
 from flotilla.engine.services import P2PPeers
-from flotilla.engine.tally import RoundTally, next_result
+from flotilla.engine.tally import RoundTally, grant_decisions, next_result
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class Agreement:
             if result is None:
                 return None
             if isinstance(result, Failed):
-                tally.failures.append(result.device_id)
+                tally.fail(result.device_id, failure_reason(result.reason))
             elif isinstance(result, Reported):
                 self._take_report(result, tally)
             else:
@@ -102,7 +103,7 @@ class Agreement:
         problem = self.problem(report)
         if problem is not None:
             log.warning("report of %s refused: %s", report.device_id, problem)
-            tally.failures.append(report.device_id)
+            tally.fail(report.device_id, "refused")
             return
         self.reports[report.device_id] = report
         tally.durations[report.device_id] = report.elapsed_s
@@ -202,9 +203,11 @@ class P2PRounds:
 
         lease = ctx.dispatch(grant, make_task)
         if lease is None:
+            ctx.retried(round_no, "no_devices")
             return False
         plan, selected = plans[0], lease.devices
-        tally = RoundTally(schedule=grant.metrics())
+        decisions = grant_decisions(grant, ctx.spec.scheduling.selector)
+        tally = RoundTally(schedule=grant.metrics(), decisions=decisions)
         agreement = Agreement(base, plan.min_group_size, set(selected), plan.server_lr)
         job_id = ctx.job.id
         try:
@@ -217,8 +220,14 @@ class P2PRounds:
         if agreed is not None:
             tally.accepted = agreement.participation(agreed, job_id, round_no, ctx.clock())
             tally.metrics.update(_agreement_metrics(agreed, agreement))
-        ctx.observe(tally.outcome(job_id, round_no, selected))
+            decisions.append(
+                f"{len(agreed.supporters)} of {len(agreement.reports)} reports agreed on "
+                f"model {agreed.sha256[:12]} (quorum {plan.min_group_size})"
+            )
+        tally.close(selected, full=agreed is not None)
+        ctx.observe(tally, round_no, selected)
         if agreed is None:
+            ctx.retried(round_no, "no_agreement")
             hashes = {r.model_sha256[:12] for r in agreement.reports.values()}
             log.warning(
                 "job %s round %d: no quorum of %d agreeing reports (%d reports, models %s); "

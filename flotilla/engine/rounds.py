@@ -12,12 +12,22 @@ import asyncio
 import json
 import logging
 import math
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from flotilla.aggregation import Aggregator, PrivacyBudgeted, StalenessWeighted
 from flotilla.core.errors import BudgetExhausted, FlotillaError, UpdateRejected
+from flotilla.core.events import (
+    DeviceFailed,
+    Fanout,
+    JobChanged,
+    RoundCommitted,
+    RoundRetried,
+    StoreCommitted,
+    failure_reason,
+)
 from flotilla.core.records import JobRecord, ParticipationRecord, RoundCommit
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import (
@@ -37,7 +47,7 @@ from flotilla.engine.ports import Evaluator
 from flotilla.engine.services import EngineConfig, EngineServices, P2PPeers
 from flotilla.engine.sync_round import SyncRounds
 from flotilla.engine.tally import RoundTally
-from flotilla.scheduling import DeviceRequest, Grant, Lease, RoundOutcome, Selector
+from flotilla.scheduling import DeviceRequest, Grant, Lease, Selector
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +93,8 @@ class JobRunner:
         self._refused = 0
         #: What devices get with every task (fixed for the job).
         self._client_config = ""
+        #: Guarded: a consumer that raises is logged, never fails a round.
+        self._events = Fanout((services.events,))
 
     # --- the round context -----------------------------------------------------------
 
@@ -128,17 +140,23 @@ class JobRunner:
             self._layout, self._aggregator.client_config()
         )
         if self._job.state == "pending":
-            self._job = await self.services.ledger.set_job_state(self._job.id, "running")
+            await self._set_state("running")
         try:
             await self._prepare_broadcast()
             await self._mode.run(self)
         except BudgetExhausted as exc:
             # The job trained as far as its privacy budget allows: that is its end.
             log.warning("job %s stops: %s", self._job.id, exc)
-            self._job = await self.services.ledger.set_job_state(self._job.id, "completed")
+            await self._set_state("completed")
         finally:
             self.aggregator.close()
         return self._job
+
+    async def _set_state(self, state: str) -> None:
+        before = self._job.state
+        self._job = await self.services.ledger.set_job_state(self._job.id, state)
+        if self._job.state != before:
+            self._events.emit(JobChanged(self._job.id, self._job.state))
 
     async def global_model(self) -> ModelState:
         raw = await asyncio.to_thread(self.services.blobs.get_mapped, self._job.checkpoint_sha256)
@@ -170,8 +188,12 @@ class JobRunner:
         self.services.leases.pool.history.restore_job(self._job.id, data["history"])
         self.selector.restore(data.get("selector", {}))
 
+    def retried(self, round_no: int, reason: str) -> None:
+        self._events.emit(RoundRetried(self._job.id, round_no, reason))
+
     def refused(self, round_no: int, exc: UpdateRejected) -> None:
         self._refused += 1
+        self.retried(round_no, "refused")
         log.warning("job %s round %d not committed: %s", self._job.id, round_no, exc)
         if self._refused >= self.config.max_refused_rounds:
             raise FlotillaError(
@@ -219,9 +241,12 @@ class JobRunner:
 
         return self.services.leases.dispatch(grant, start)
 
-    def observe(self, outcome: RoundOutcome) -> None:
+    def observe(self, tally: RoundTally, round_no: int, selected: Sequence[str]) -> None:
+        outcome = tally.outcome(self._job.id, round_no, selected)
         self.services.leases.pool.record(outcome)
         self.selector.observe(outcome)
+        for device_id, reason in tally.reasons.items():
+            self._events.emit(DeviceFailed(self._job.id, device_id, reason))
 
     def task(self, round_no: int, started: float) -> TrainTask:
         cast = self._broadcast
@@ -243,18 +268,22 @@ class JobRunner:
         )
 
     def fold(self, result: RoundResult, tally: RoundTally, staleness: int | None = None) -> bool:
-        if isinstance(result, Failed | Reported):  # reports belong to server-less rounds
-            tally.failures.append(result.device_id)
+        if isinstance(result, Failed):
+            tally.fail(result.device_id, failure_reason(result.reason))
+            return False
+        if isinstance(result, Reported):  # reports belong to server-less rounds
+            tally.fail(result.device_id, "refused")
             return False
         update = result.update
         if not result.wanted():
             # Its sender gave up waiting; the device may already serve another job.
-            tally.failures.append(update.device_id)
+            tally.fail(update.device_id, "gave_up")
             return False
         aggregator = self.aggregator
         if staleness is None and aggregator.count >= self._spec.job.clients_per_round:
             result.settle("round already has enough updates")
-            tally.failures.append(update.device_id)
+            tally.failures.append(update.device_id)  # the scheduler counts it a miss
+            tally.stale.append(update.device_id)
             return False
         try:
             if staleness is None:
@@ -265,9 +294,11 @@ class JobRunner:
                 raise FlotillaError("this strategy does not weight stale updates")
         except UpdateRejected as exc:
             result.settle(str(exc))
-            tally.failures.append(update.device_id)
+            tally.fail(update.device_id, "refused")
             return False
         self._accept(result, tally)
+        if staleness:
+            tally.stale.append(update.device_id)
         return True
 
     def _accept(self, result: Delivered, tally: RoundTally) -> None:
@@ -299,10 +330,12 @@ class JobRunner:
         """Commit ``model`` (by default the aggregator's) and the job's state as ``round_no``;
         with ``expect_sha256``, only if the checkpoint hashes to it (else UpdateRejected)."""
         aggregator = self.aggregator
+        began = time.perf_counter()
         if model is None:
             new_model = await asyncio.to_thread(aggregator.finalize)
         else:
             new_model = model
+        aggregation_s = time.perf_counter() - began
         metrics: dict[str, float] = {**tally.schedule, **tally.metrics}
         if isinstance(aggregator, PrivacyBudgeted):
             metrics["epsilon"] = aggregator.spend(rate)
@@ -323,8 +356,24 @@ class JobRunner:
             participants=participants,
             aggregator_sha256=agg_sha,
             scheduler_sha256=sched_sha,
+            account=tally.account(),
         )
+        state = self._job.state
+        began = time.perf_counter()
         self._job = await self.services.ledger.commit_round(commit)
+        events = self._events
+        events.emit(StoreCommitted(time.perf_counter() - began))
+        events.emit(
+            RoundCommitted(
+                self._job.id,
+                round_no,
+                duration_s=commit.committed_at - started,
+                aggregation_s=aggregation_s,
+                participants=len(participants),
+            )
+        )
+        if self._job.state != state:
+            events.emit(JobChanged(self._job.id, self._job.state))
         self._refused = 0
         await self._prepare_broadcast()
         log.info("job %s round %d committed: %s", self._job.id, round_no, metrics)

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from flotilla.core.events import EventSink, NoEvents
 from flotilla.engine.backend import Backend
 from flotilla.engine.ports import Blobs, Ledger
 from flotilla.scheduling import Arbiter, Leases
@@ -54,3 +55,6 @@ class EngineServices:
     config: EngineConfig = field(default_factory=EngineConfig)
     #: None where the backend cannot run server-less rounds.
     p2p: P2PPeers | None = None
+    #: Told of rounds committed and retried, failed devices and job state changes (a
+    #: server passes its metrics and live feed; a simulation nobody watches passes none).
+    events: EventSink = field(default_factory=NoEvents)

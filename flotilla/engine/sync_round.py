@@ -10,7 +10,7 @@ import logging
 from flotilla.core.errors import UpdateRejected
 from flotilla.engine.backend import ResultStream, TrainTask
 from flotilla.engine.context import RoundContext
-from flotilla.engine.tally import RoundTally, next_result
+from flotilla.engine.tally import RoundTally, grant_decisions, next_result
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +30,29 @@ class SyncRounds:
         started = ctx.clock()
         lease = ctx.dispatch(grant, lambda _: ctx.task(round_no, started))
         if lease is None:  # every granted device went away meanwhile
+            ctx.retried(round_no, "no_devices")
             return False
         aggregator = ctx.aggregator
         aggregator.begin(round_no, global_state)
         del global_state
-        tally = RoundTally(schedule=grant.metrics())
+        decisions = grant_decisions(grant, ctx.spec.scheduling.selector)
+        tally = RoundTally(schedule=grant.metrics(), decisions=decisions)
         try:
             async with contextlib.aclosing(lease.work.results) as results:
                 await _collect(ctx, results, lease.work.task, tally)
         finally:
             lease.free(tally.done())
-        ctx.observe(tally.outcome(ctx.job.id, round_no, lease.devices))
+        want = ctx.spec.job.clients_per_round
+        tally.close(lease.devices, full=aggregator.count >= want)
+        ctx.observe(tally, round_no, lease.devices)
         quorum = min(ctx.spec.job.min_quorum, len(lease.devices))
+        if aggregator.count >= want:
+            ended = "with enough updates"
+        elif ctx.clock() >= lease.work.task.deadline:
+            ended = "at the deadline"
+        else:
+            ended = "once no device owed an update"
+        decisions.append(f"closed {ended}: {aggregator.count} of {want} (quorum {quorum})")
         if aggregator.count < quorum:
             log.warning(
                 "job %s round %d: %d updates, below quorum %d; retrying",
@@ -51,6 +62,7 @@ class SyncRounds:
                 ctx.spec.job.min_quorum,
             )
             await ctx.rollback()
+            ctx.retried(round_no, "quorum")
             return False
         try:
             await ctx.commit(round_no, started, tally, rate)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flotilla.core.blobs import CHUNK_BYTES
+from flotilla.core.events import EventSink
 from flotilla.core.records import JobRecord
 from flotilla.core.timeouts import Timeouts
 from flotilla.engine import EngineConfig
@@ -27,6 +28,7 @@ from flotilla.server.grpc.edge import GrpcEdge, GrpcSettings
 from flotilla.server.hosting.rendezvous import HostedRendezvous
 from flotilla.server.hosting.volunteers import VolunteerHost, VolunteerRunSpec
 from flotilla.server.memory import release_free_memory
+from flotilla.server.metrics import PrometheusMetrics
 from flotilla.tasks.runtime import LocalTasks
 
 log = logging.getLogger(__name__)
@@ -82,10 +84,16 @@ class ServerConfig:
 
 
 class FederationServer:
-    """Owns every long-lived part; ``start`` resumes the jobs a previous run left running."""
+    """Owns every long-lived part; ``start`` resumes the jobs a previous run left running.
 
-    def __init__(self, config: ServerConfig) -> None:
+    The federation's events go to :attr:`metrics` (Prometheus, served at ``/metrics``) and
+    to every sink in ``sinks`` or added with :meth:`add_sink` before :meth:`start` (the
+    dashboard's live feed)."""
+
+    def __init__(self, config: ServerConfig, sinks: tuple[EventSink, ...] = ()) -> None:
         self.config = config
+        self.metrics = PrometheusMetrics()
+        self._sinks: list[EventSink] = [self.metrics, *sinks]
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.upload_budget = ByteBudget(config.upload_budget_bytes)
@@ -107,6 +115,12 @@ class FederationServer:
         self._edge: GrpcEdge | None = None
         self._reaper: asyncio.Task[None] | None = None
 
+    def add_sink(self, sink: EventSink) -> None:
+        """Send the federation's events to ``sink`` too; only before :meth:`start`."""
+        if hasattr(self, "federation"):
+            raise RuntimeError("add event sinks before start(): the federation holds its own")
+        self._sinks.append(sink)
+
     @property
     def db_url(self) -> str:
         return self.config.db_url or default_url(self.state_dir)
@@ -120,7 +134,9 @@ class FederationServer:
             self.upload_budget,
             Hosted(rendezvous=self.rendezvous, volunteers=self.volunteers),
             LocalTasks(),
+            sinks=tuple(self._sinks),
         )
+        self.metrics.watch_devices(self.federation.device_counts)
         self._edge = GrpcEdge(self.federation, self.config.grpc())
         self.port = await self._edge.start()
         state = {"host": self.config.host, "port": self.port, "db_url": self.db_url}

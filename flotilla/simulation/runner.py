@@ -142,6 +142,9 @@ class RunLog:
             "simulated_time": commit.committed_at,
             "round_seconds": commit.committed_at - commit.started_at,
             **commit.metrics,
+            # The round's account (selected, failures, stale, bytes_up, bytes_down,
+            # decisions): what `flotilla dashboard DIR` shows on the round timeline.
+            **commit.account.to_json(),
             "participants": len(commit.participants),
             "dropouts": self._dropouts.get((job.id, commit.round), 0),
             "wall_seconds": time.perf_counter() - self._wall_start,

@@ -24,6 +24,7 @@ from typing import Any
 
 from flotilla.cli.remote import device_json, job_json
 from flotilla.client import Agent, AgentConfig, LocalTrainer
+from flotilla.core.events import EventSink
 from flotilla.core.jobfile import load_job_specs
 from flotilla.core.timeouts import Timeouts
 from flotilla.engine import EngineConfig
@@ -182,9 +183,10 @@ async def in_process_federation(
     timeouts: Timeouts = SERVER_TIMEOUTS,
     engine: EngineConfig | None = None,
     agent_timeouts: Timeouts | None = None,
+    sinks: Sequence[EventSink] = (),
 ) -> AsyncIterator[InProcessFederation]:
-    """A federation on ``db_url`` (emptied first when it is PostgreSQL); agents started on
-    it are stopped, and the core closed, on the way out."""
+    """A federation on ``db_url`` (emptied first when it is PostgreSQL), its events sent to
+    ``sinks``; agents started on it are stopped, and the core closed, on the way out."""
     state_dir.mkdir(parents=True, exist_ok=True)
     store = await Store.open(db_url)
     if store.dialect == "postgresql":
@@ -197,6 +199,7 @@ async def in_process_federation(
         ByteBudget(UPLOAD_BUDGET_BYTES),
         hosted,
         LocalTasks(),
+        sinks=sinks,
     )
     reaper = asyncio.ensure_future(_reap(federation, min(1.0, timeouts.liveness_s / 4)))
     fed = InProcessFederation(federation, store, state_dir, db_url, agent_timeouts or Timeouts())

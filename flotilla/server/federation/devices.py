@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError
+from flotilla.core.events import DeviceChanged, EventSink, Fanout
 from flotilla.core.records import DeviceRecord
 from flotilla.core.work import DeviceCredential
 from flotilla.scheduling import DevicePool
@@ -34,12 +35,25 @@ def stored_profile(record: DeviceRecord) -> DeviceProfile:
 class Devices:
     """Enrolment and authentication against the store; sightings into the pool."""
 
-    def __init__(self, store: Store, pool: DevicePool, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        pool: DevicePool,
+        clock: Callable[[], float],
+        events: EventSink | None = None,
+    ) -> None:
+        """``events`` hears of enrolments and of devices coming back online."""
+        self._events = Fanout(() if events is None else (events,))
         self._store = store
         self._pool = pool
         self._clock = clock
         #: Records of devices that authenticated since start, so a poll costs no query.
         self._known: dict[str, DeviceRecord] = {}
+        #: Devices enrolled, ever (read at start, counted since): offline = this - online.
+        self.enrolled = 0
+
+    async def start(self) -> None:
+        self.enrolled = await self._store.count_devices()
 
     async def enrol(self, token: str, profile: DeviceProfile) -> DeviceCredential:
         if not token or not await self._store.has_enrol_token(auth.hash_secret(token)):
@@ -57,6 +71,8 @@ class Devices:
         )
         await self._store.add_device(record)
         self._known[device_id] = record
+        self.enrolled += 1
+        self._events.emit(DeviceChanged(device_id, "enrolled"))
         return DeviceCredential(device_id, secret)
 
     async def authenticate(self, device_id: str | None, secret: str | None) -> DeviceRecord:
@@ -78,7 +94,10 @@ class Devices:
                 device.id, profile=profile.numbers(), tasks=tuple(profile.tasks)
             )
             device = self._known[device.id] = await self._store.get_device(device.id) or device
+        back = not self._pool.is_online(device.id)
         self._pool.seen(stored_profile(device))
+        if back:
+            self._events.emit(DeviceChanged(device.id, "online"))
 
     async def infos(self, task: str = "") -> list[DeviceInfo]:
         """Every enrolled device: the pool's view of those seen since start, the rest offline."""

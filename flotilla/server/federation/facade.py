@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections import Counter
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from flotilla.core.blobs import CHUNK_BYTES
 from flotilla.core.blobstore import BlobStore
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError
+from flotilla.core.events import BytesSent, DeviceChanged, EventSink, Fanout, PollAnswered
 from flotilla.core.records import DeviceRecord, JobRecord
 from flotilla.core.timeouts import Timeouts
 from flotilla.core.work import DeviceCredential, ReportVerdict, Reservation, RoundRef, UploadHeader
@@ -28,6 +30,7 @@ from flotilla.scheduling import Arbiter, DevicePool, Leases
 from flotilla.server.federation import auth
 from flotilla.server.federation.budget import ByteBudget
 from flotilla.server.federation.devices import Devices
+from flotilla.server.federation.failures import FailureCounts
 from flotilla.server.federation.gateway import Gateway
 from flotilla.server.federation.jobs import Jobs
 from flotilla.server.federation.ports import Hosted
@@ -59,7 +62,13 @@ class Federation:
         hosted: Hosted,
         tasks: TaskRuntime,
         clock: Callable[[], float] = time.time,
+        sinks: Sequence[EventSink] = (),
     ) -> None:
+        """``sinks`` hear every event (``core.events``) the federation and its jobs emit:
+        Prometheus metrics, the dashboard's live feed. One that raises is logged, never
+        felt by the caller."""
+        self._failures = FailureCounts()
+        self._events = Fanout((self._failures, *sinks))
         self._config = config
         self._store = store
         self._blobs = BlobStore(config.state_dir / "blobs")
@@ -69,8 +78,10 @@ class Federation:
         engine = config.engine
         self._arbiter = Arbiter(self._pool, clock, engine.selection_grace_s, engine.idle_poll_s)
         self._hosted = hosted
-        self._devices = Devices(store, self._pool, clock)
-        self._uploads = Uploads(self._gateway, self._pool, upload_budget, config.timeouts, clock)
+        self._devices = Devices(store, self._pool, clock, self._events)
+        self._uploads = Uploads(
+            self._gateway, self._pool, upload_budget, config.timeouts, clock, self._events
+        )
         services = EngineServices(
             backend=self._gateway,
             leases=self._leases,
@@ -80,12 +91,14 @@ class Federation:
             clock=clock,
             config=engine,
             p2p=hosted.rendezvous,
+            events=self._events,
         )
         self._jobs = Jobs(services, store, tasks, config.state_dir)
         self._download_slots = asyncio.Semaphore(config.download_slots)
 
     async def start(self) -> None:
         """Resume the jobs a previous run left unfinished."""
+        await self._devices.start()
         await self._jobs.resume()
 
     async def close(self) -> None:
@@ -94,7 +107,10 @@ class Federation:
 
     def reap(self) -> list[str]:
         """Drop devices silent for longer than the liveness window; their ids."""
-        return self._gateway.reap(self._config.timeouts.liveness_s)
+        gone = self._gateway.reap(self._config.timeouts.liveness_s)
+        for device_id in gone:
+            self._events.emit(DeviceChanged(device_id, "offline"))
+        return gone
 
     # --- callers -------------------------------------------------------------------------
 
@@ -121,11 +137,17 @@ class Federation:
         # A held poll is a live device: hold it for less than the liveness window, so the
         # reaper never drops an agent that is simply waiting for work.
         hold_s = min(timeouts.poll_hold_s, timeouts.liveness_s / 2)
-        return await self._gateway.poll(device.id, hold_s)
+        began = time.perf_counter()
+        task = await self._gateway.poll(device.id, hold_s)
+        self._events.emit(PollAnswered(time.perf_counter() - began))
+        return task
 
     def heartbeat(self, device: DeviceRecord, round_token: str) -> bool:
         """A training device is alive; whether its round is still open."""
+        back = not self._pool.is_online(device.id)
         self._pool.touch(device.id)
+        if back and self._pool.is_online(device.id):
+            self._events.emit(DeviceChanged(device.id, "online"))
         return self._gateway.round_open(round_token)
 
     async def fetch_model(
@@ -134,10 +156,16 @@ class Federation:
         """The model (or delta) a device's open round assigned it, chunk by chunk."""
         if not self._gateway.assigned_model(device.id, sha256):
             raise StaleRoundError("stale round: that model is not assigned to this device")
-        async for piece in self._stream_blob(sha256):
-            self._gateway.count_download(device.id, sha256, len(piece.data))
-            yield piece
-            self._pool.touch(device.id)  # a long download is a sign of life
+        job_id = self._gateway.assigned_job(device.id, sha256)
+        sent = 0
+        try:
+            async for piece in self._stream_blob(sha256):
+                self._gateway.count_download(device.id, sha256, len(piece.data))
+                sent += len(piece.data)
+                yield piece
+                self._pool.touch(device.id)  # a long download is a sign of life
+        finally:
+            self._events.emit(BytesSent(job_id, sent))
 
     async def reserve_upload(self, device: DeviceRecord, ref: RoundRef, size: int) -> Reservation:
         return await self._uploads.reserve(device.id, ref, size)
@@ -156,6 +184,7 @@ class Federation:
 
     def leave(self, device: DeviceRecord, reason: str) -> None:
         self._gateway.leave(device.id, reason or "no reason given")
+        self._events.emit(DeviceChanged(device.id, "offline"))
         log.info("device %s left (%s)", device.id, reason)
 
     # --- an operator's side --------------------------------------------------------------
@@ -177,14 +206,34 @@ class Federation:
     async def export_model(self, job_id: str) -> AsyncGenerator[BlobSlice, None]:
         """The job's latest model, chunk by chunk."""
         job = await self._jobs.get(job_id)
-        async for piece in self._stream_blob(job.checkpoint_sha256):
-            yield piece
+        sent = 0
+        try:
+            async for piece in self._stream_blob(job.checkpoint_sha256):
+                sent += len(piece.data)
+                yield piece
+        finally:
+            self._events.emit(BytesSent("", sent))
 
     async def list_devices(self, task: str = "") -> list[DeviceInfo]:
         return await self._devices.infos(task)
 
     def volunteer_runs(self) -> Sequence[VolunteerRunInfo]:
         return self._hosted.volunteers.infos()
+
+    def device_failures(self) -> Mapping[str, Mapping[str, int]]:
+        """Device id -> failure reason -> rounds it failed for that reason, since this
+        server started (reasons: ``core.events.FAILURE_REASONS``)."""
+        return self._failures.all()
+
+    def device_counts(self) -> Mapping[str, int]:
+        """Enrolled devices by state (``idle``, ``busy``, ``offline``), from memory: cheap
+        enough for every metrics scrape."""
+        counts = Counter({"idle": 0, "busy": 0, "offline": 0})
+        for view in self._pool.describe():
+            counts[view.state] += 1
+        online = counts["idle"] + counts["busy"]
+        counts["offline"] = max(self._devices.enrolled - online, counts["offline"])
+        return dict(counts)
 
     # --- blobs ---------------------------------------------------------------------------
 

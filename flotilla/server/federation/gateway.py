@@ -157,6 +157,13 @@ class Gateway:
             device_id in r.pending and sha256 in _downloads(r.task) for r in self._rounds.values()
         )
 
+    def assigned_job(self, device_id: str, sha256: str) -> str:
+        """The job whose open round assigned ``sha256`` to the device (empty: none)."""
+        for r in self._rounds.values():
+            if device_id in r.pending and sha256 in _downloads(r.task):
+                return r.task.job_id
+        return ""
+
     def count_download(self, device_id: str, sha256: str, nbytes: int) -> None:
         for r in self._rounds.values():
             if device_id in r.pending and sha256 in _downloads(r.task):

@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 from flotilla.core.errors import FlotillaError, NotFoundError, SpecError, TaskLoadError
+from flotilla.core.events import EventSink, Fanout, JobChanged
 from flotilla.core.records import JobRecord
 from flotilla.core.spec import JobSpec
 from flotilla.engine import (
@@ -33,6 +34,9 @@ class Jobs:
     def __init__(
         self, services: EngineServices, store: Store, tasks: TaskRuntime, state_dir: Path
     ) -> None:
+        """Job state changes the runners do not make (submitted, failed, cancelled) go to
+        ``services.events``, as the runners' own do."""
+        self._events: EventSink = Fanout((services.events,))
         self._services = services
         self._store = store
         self._tasks = tasks
@@ -79,17 +83,27 @@ class Jobs:
             raise SpecError(f"job.task: {exc}") from exc
         await self._store.add_checkpoint(job.checkpoint_sha256, size)
         await self._store.add_job(job)
+        self._events.emit(JobChanged(job.id, job.state))
         self._start_runner(job)
         return job
 
     async def cancel_job(self, job_id: str) -> JobRecord:
-        await self.get(job_id)
+        before = await self.get(job_id)
         runner = self._runners.pop(job_id, None)
         if runner is not None:
             runner.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await runner
-        return await self._store.set_job_state(job_id, "cancelled")
+        job = await self._store.set_job_state(job_id, "cancelled")
+        if before.state != job.state:
+            self._events.emit(JobChanged(job.id, job.state))
+        return job
+
+    async def _fail(self, job_id: str) -> None:
+        current = await self._store.get_job(job_id)
+        if current is not None and not current.terminal:
+            await self._store.set_job_state(job_id, "failed")
+            self._events.emit(JobChanged(job_id, "failed"))
 
     def _start_runner(self, job: JobRecord) -> None:
         task = asyncio.ensure_future(self._run_job(job))
@@ -109,12 +123,10 @@ class Jobs:
         except FlotillaError as exc:
             log.error("job %s stopped: %s", job_id, exc)
             with contextlib.suppress(Exception):
-                current = await self._store.get_job(job_id)
-                if current is not None and not current.terminal:
-                    await self._store.set_job_state(job_id, "failed")
+                await self._fail(job_id)
         except Exception:
             log.exception("job %s failed", job_id)
             with contextlib.suppress(Exception):
-                await self._store.set_job_state(job_id, "failed")
+                await self._fail(job_id)
         finally:
             self._runners.pop(job_id, None)

@@ -10,6 +10,8 @@ schema through those, never from these classes. Nothing outside
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -110,6 +112,8 @@ class RoundRow(Base):
     metrics_json: Mapped[dict[str, float]] = mapped_column(JSON)
     started_at: Mapped[float] = mapped_column(Double)
     committed_at: Mapped[float] = mapped_column(Double)
+    #: ``RoundAccount.to_json()``; NULL for rounds committed before it was recorded.
+    account_json: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class ParticipationRow(Base):

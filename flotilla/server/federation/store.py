@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import event, insert, select, update
+from sqlalchemy import event, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL, Connection, make_url
@@ -45,6 +45,7 @@ from flotilla.core.records import (
     DeviceRecord,
     JobRecord,
     ParticipationRecord,
+    RoundAccount,
     RoundCommit,
     RoundRecord,
 )
@@ -294,6 +295,10 @@ class Store:
             rows = await s.scalars(select(DeviceRow).order_by(DeviceRow.enrolled_at, DeviceRow.id))
             return [_device_record(r) for r in rows]
 
+    async def count_devices(self) -> int:
+        async with self._read() as s:
+            return int(await s.scalar(select(func.count()).select_from(DeviceRow)) or 0)
+
     async def update_device(
         self,
         device_id: str,
@@ -433,6 +438,7 @@ class Store:
                         metrics_json=_floats(c.metrics),
                         started_at=c.started_at,
                         committed_at=c.committed_at,
+                        account_json=c.account.to_json(),
                     )
                 )
                 if c.participants:
@@ -489,6 +495,7 @@ class Store:
                     started_at=r.started_at,
                     committed_at=r.committed_at,
                     participants=tuple(by_round.get(r.round, ())),
+                    account=RoundAccount.from_json(r.account_json),
                 )
                 for r in rounds
             ]

@@ -15,10 +15,12 @@ import math
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from flotilla.compression import Codec, NoneCodec, decode_state_with, max_payload_bytes
 from flotilla.core.blobs import BlobAssembler
-from flotilla.core.errors import StaleRoundError, UpdateRejected, WireError
+from flotilla.core.errors import FlotillaError, StaleRoundError, UpdateRejected, WireError
+from flotilla.core.events import EventSink, Fanout, UpdateAccepted, UpdateRefused
 from flotilla.core.tensors import ModelState, TensorSpec, check_finite, decode_state, read_metadata
 from flotilla.core.timeouts import Timeouts
 from flotilla.core.update import Update
@@ -70,6 +72,35 @@ def checked_report(report: Reported) -> Reported:
         group_id=report.group_id[:128],
         allreduce_s=seconds if math.isfinite(seconds) and seconds >= 0 else 0.0,
     )
+
+
+#: How far an upload got before it was refused: what the refusal's reason is.
+Stage = Literal["open", "header", "size", "room", "read", "decode", "finite", "deliver"]
+
+_STAGE_REASONS: dict[str, str] = {
+    "open": "stale",
+    "header": "malformed",
+    "size": "oversized",
+    "room": "malformed",
+    "read": "malformed",
+    "decode": "malformed",
+    "finite": "non_finite",
+    "deliver": "refused",
+}
+
+
+@dataclass(slots=True)
+class _Progress:
+    stage: Stage = "open"
+
+
+def refusal_reason(stage: Stage, exc: FlotillaError) -> str:
+    """The bounded label (``core.events.REFUSAL_REASONS``) for ``exc`` raised at ``stage``."""
+    if isinstance(exc, StaleRoundError):
+        return "late" if stage == "read" else "stale"
+    if stage == "decode" and isinstance(exc, UpdateRejected):
+        return "shape"  # decoded, but not the model's tensors
+    return _STAGE_REASONS[stage]
 
 
 class KeyedLock:
@@ -158,9 +189,12 @@ class Uploads:
         budget: ByteBudget,
         timeouts: Timeouts,
         clock: Callable[[], float],
+        events: EventSink | None = None,
     ) -> None:
         """``timeouts.upload_idle_s`` drops a stalled upload (and bounds a reservation);
-        ``timeouts.upload_grace_s`` lets one under way finish past its round's deadline."""
+        ``timeouts.upload_grace_s`` lets one under way finish past its round's deadline;
+        ``events`` hears of every update taken or refused, and why."""
+        self._events = Fanout(() if events is None else (events,))
         self._gateway = gateway
         self._pool = pool
         self._budget = budget
@@ -171,20 +205,29 @@ class Uploads:
         self._reservations = Reservations(budget, self._idle_s)
 
     async def reserve(self, device_id: str, ref: RoundRef, size: int) -> Reservation:
-        """Room for an upload of ``size`` bytes, waited for until the round's deadline."""
-        open_round = self._gateway.expect(device_id, ref.job_id, ref.round, ref.round_token)
-        limit = update_limit(open_round.task)
-        if not 0 <= size <= limit:
-            raise WireError(f"update of {size} bytes exceeds the limit of {limit}")
+        """Room for an upload of ``size`` bytes, waited for until the round's deadline.
+        A refusal here is the update's refusal (its device will not send it)."""
+        progress = _Progress()
         try:
-            key = await asyncio.wait_for(
-                self._reservations.make(device_id, ref.round_token, size),
-                self._time_left(open_round.task.deadline),
-            )
-        except asyncio.TimeoutError:
-            raise StaleRoundError(
-                "stale round: the round closes before there is room for this update"
-            ) from None
+            open_round = self._gateway.expect(device_id, ref.job_id, ref.round, ref.round_token)
+            limit = update_limit(open_round.task)
+            progress.stage = "size"
+            if not 0 <= size <= limit:
+                raise WireError(f"update of {size} bytes exceeds the limit of {limit}")
+            progress.stage = "read"
+            try:
+                key = await asyncio.wait_for(
+                    self._reservations.make(device_id, ref.round_token, size),
+                    self._time_left(open_round.task.deadline),
+                )
+            except asyncio.TimeoutError:
+                raise StaleRoundError(
+                    "stale round: the round closes before there is room for this update"
+                ) from None
+        except FlotillaError as exc:
+            reason = refusal_reason(progress.stage, exc)
+            self._events.emit(UpdateRefused(ref.job_id, device_id, reason))
+            raise
         return Reservation(key, self._reservations.ttl_s)
 
     async def receive(
@@ -194,20 +237,34 @@ class Uploads:
         # One upload per device at a time: a device opening many streams at once would
         # otherwise get a model-sized buffer for each.
         async with self._locks.hold(device_id):
-            await self._receive(device_id, head, chunks)
+            progress = _Progress()
+            try:
+                await self._receive(device_id, head, chunks, progress)
+            except FlotillaError as exc:
+                reason = refusal_reason(progress.stage, exc)
+                self._events.emit(UpdateRefused(head.ref.job_id, device_id, reason))
+                raise
+            self._events.emit(UpdateAccepted(head.ref.job_id, device_id, head.payload_size))
 
     async def _receive(
-        self, device_id: str, head: UploadHeader, chunks: AsyncIterator[memoryview | bytes]
+        self,
+        device_id: str,
+        head: UploadHeader,
+        chunks: AsyncIterator[memoryview | bytes],
+        progress: _Progress,
     ) -> None:
         open_round = self._gateway.expect(
             device_id, head.ref.job_id, head.ref.round, head.ref.round_token
         )
+        progress.stage = "header"
         codec = self._codec(open_round, device_id, head)
         if head.num_samples <= 0:
             raise UpdateRejected("num_samples must be positive")
         limit = update_limit(open_round.task)
+        progress.stage = "size"
         if not 0 <= head.payload_size <= limit:
             raise WireError(f"update of {head.payload_size} bytes exceeds the limit of {limit}")
+        progress.stage = "room"
         # The buffer is allocated only once the byte budget admits it (ahead of the stream,
         # with a reservation, or here), so memory is bounded however many devices upload
         # at once; a sender that stalls is dropped.
@@ -217,6 +274,7 @@ class Uploads:
         else:
             room = self._budget.hold(head.payload_size)
         async with room:
+            progress.stage = "read"
             assembler = BlobAssembler(head.payload_size, head.payload_sha256, limit)
             try:
                 payload = await asyncio.wait_for(
@@ -227,9 +285,11 @@ class Uploads:
                 raise StaleRoundError(
                     "stale round: the round closed before this update finished uploading"
                 ) from None
+            progress.stage = "decode"
             delta = decode_update(payload, open_round.task.layout, codec, limit)
             # Refuse here, before delivery: a refusal from the engine would cost the device
             # its place in the round, so it could not send a corrected update.
+            progress.stage = "finite"
             check_finite(delta)
             update = Update(
                 job_id=head.ref.job_id,
@@ -244,6 +304,7 @@ class Uploads:
                     "bytes_down": float(open_round.bytes_down.get(device_id, 0)),
                 },
             )
+            progress.stage = "deliver"
             await self._gateway.deliver(
                 open_round, update, self._time_left(open_round.task.deadline)
             )
