@@ -212,3 +212,17 @@ async def test_the_server_wires_its_metrics_and_the_sinks_it_was_given(tmp_path:
         await server.stop(grace_s=0)
     assert heard == [DeviceChanged(credential.device_id, "enrolled")]
     assert value(samples, "flotilla_devices", state="offline") == 1.0  # enrolled, not seen
+
+
+async def test_a_device_cannot_mint_job_labels(db_url: str, tmp_path: Path) -> None:
+    """Refusals naming a job that never ran are counted against no job: label values stay
+    bounded by what the operator submitted, whatever devices send."""
+    metrics = PrometheusMetrics()
+    async with in_process_federation(tmp_path / "state", db_url, sinks=(metrics,)) as fed:
+        hand = await HandDevice.enrol(fed)
+        for n in range(3):
+            with pytest.raises(StaleRoundError):
+                await fed.federation.reserve_upload(hand.record, RoundRef(f"job-{n}", 1, "t"), 9)
+        samples = scrape(metrics)
+    assert value(samples, "flotilla_updates_refused_total", job="", reason="stale") == 3.0
+    assert not [k for k in samples if dict(k[1]).get("job", "").startswith("job-")]
