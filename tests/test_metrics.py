@@ -13,12 +13,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import StaleRoundError, UpdateRejected, WireError
+from flotilla.core.events import DeviceChanged, Event
 from flotilla.core.records import DeviceFailure, RoundRecord
 from flotilla.core.work import RoundRef
+from flotilla.server.app import FederationServer, ServerConfig
+from flotilla.server.federation import auth
 from flotilla.server.metrics import PrometheusMetrics
 from tests.support.hand_device import HandDevice, delta
-from tests.support.inproc import in_process_federation, poll_until
+from tests.support.inproc import DIGITS, in_process_federation, poll_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -183,3 +187,42 @@ def test_the_docs_and_the_grafana_dashboard_name_only_real_metrics() -> None:
         mentioned = set(re.findall(r"\bflotilla_[a-z_]+", text))
         assert mentioned and mentioned <= exposed, sorted(mentioned - exposed)
     assert set(re.findall(r"^\| `(flotilla_[a-z_]+)`", page, re.MULTILINE)) == documented
+
+
+async def test_the_server_wires_its_metrics_and_the_sinks_it_was_given(tmp_path: Path) -> None:
+    """``FederationServer`` sends the federation's events to its ``metrics`` and to every
+    sink added before ``start`` (the HTTP edge adds its live feed there)."""
+    heard: list[Event] = []
+
+    class Listener:
+        def emit(self, event: Event) -> None:
+            heard.append(event)
+
+    server = FederationServer(ServerConfig(state_dir=tmp_path / "state"))
+    server.add_sink(Listener())
+    await server.start()
+    try:
+        with pytest.raises(RuntimeError, match="before start"):
+            server.add_sink(Listener())
+        token = auth.new_secret()
+        await server.store.add_enrol_token(auth.hash_secret(token))
+        credential = await server.federation.enrol(token, DeviceProfile("", tasks=(DIGITS,)))
+        samples = scrape(server.metrics)
+    finally:
+        await server.stop(grace_s=0)
+    assert heard == [DeviceChanged(credential.device_id, "enrolled")]
+    assert value(samples, "flotilla_devices", state="offline") == 1.0  # enrolled, not seen
+
+
+async def test_a_device_cannot_mint_job_labels(db_url: str, tmp_path: Path) -> None:
+    """Refusals naming a job that never ran are counted against no job: label values stay
+    bounded by what the operator submitted, whatever devices send."""
+    metrics = PrometheusMetrics()
+    async with in_process_federation(tmp_path / "state", db_url, sinks=(metrics,)) as fed:
+        hand = await HandDevice.enrol(fed)
+        for n in range(3):
+            with pytest.raises(StaleRoundError):
+                await fed.federation.reserve_upload(hand.record, RoundRef(f"job-{n}", 1, "t"), 9)
+        samples = scrape(metrics)
+    assert value(samples, "flotilla_updates_refused_total", job="", reason="stale") == 3.0
+    assert not [k for k in samples if dict(k[1]).get("job", "").startswith("job-")]

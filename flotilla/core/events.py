@@ -107,7 +107,8 @@ class UpdateAccepted:
 @dataclass(frozen=True, slots=True)
 class UpdateRefused:
     """An update the server would not take. ``reason`` is one of :data:`REFUSAL_REASONS`,
-    so a metric labelled by it stays bounded."""
+    so a metric labelled by it stays bounded; ``job_id`` is empty when the job the device
+    named never ran a round here."""
 
     job_id: str
     device_id: str

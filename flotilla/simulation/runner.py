@@ -115,8 +115,9 @@ class SimLedger:
 
 
 class RunLog:
-    """A simulation's record of committed rounds: ``metrics.jsonl``, ``participation.jsonl``,
-    the rows ``summary.json`` and the plots are made of, and the progress bar."""
+    """A simulation's record of committed rounds: ``metrics.jsonl`` (each row with its
+    round's account, as a server stores it), ``participation.jsonl``, the rows
+    ``summary.json`` and the plots are made of, and the progress bar."""
 
     def __init__(
         self,

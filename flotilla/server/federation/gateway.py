@@ -84,9 +84,13 @@ class Gateway:
     _rounds: dict[str, OpenRound] = field(default_factory=dict)
     _offers: dict[str, TrainTask] = field(default_factory=dict)
     _wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
+    #: Every job that had a round here: a job id a device names is only trusted (as a
+    #: metric label, say) when it is one of these.
+    _jobs: set[str] = field(default_factory=set)
 
     def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> RoundStream:
         """Offer the task now (so the devices stay claimed); results stream until closed."""
+        self._jobs.add(task.job_id)
         open_round = OpenRound(task, self.clock(), set(device_ids))
         self._rounds[task.round_token] = open_round
         for device_id in device_ids:
@@ -148,6 +152,10 @@ class Gateway:
 
     def _owes(self, device_id: str) -> bool:
         return any(device_id in r.pending or device_id in r.awaiting for r in self._rounds.values())
+
+    def known_job(self, job_id: str) -> bool:
+        """Whether ``job_id`` ran a round on this gateway (since the server started)."""
+        return job_id in self._jobs
 
     def round_open(self, round_token: str) -> bool:
         return round_token in self._rounds

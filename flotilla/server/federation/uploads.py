@@ -226,9 +226,14 @@ class Uploads:
                 ) from None
         except FlotillaError as exc:
             reason = refusal_reason(progress.stage, exc)
-            self._events.emit(UpdateRefused(ref.job_id, device_id, reason))
+            self._events.emit(UpdateRefused(self._job_label(ref), device_id, reason))
             raise
         return Reservation(key, self._reservations.ttl_s)
+
+    def _job_label(self, ref: RoundRef) -> str:
+        """The job a refusal is counted against: the one the device names if it is real,
+        else empty (a device must not mint metric labels by naming made-up jobs)."""
+        return ref.job_id if self._gateway.known_job(ref.job_id) else ""
 
     async def receive(
         self, device_id: str, head: UploadHeader, chunks: AsyncIterator[memoryview | bytes]
@@ -242,7 +247,7 @@ class Uploads:
                 await self._receive(device_id, head, chunks, progress)
             except FlotillaError as exc:
                 reason = refusal_reason(progress.stage, exc)
-                self._events.emit(UpdateRefused(head.ref.job_id, device_id, reason))
+                self._events.emit(UpdateRefused(self._job_label(head.ref), device_id, reason))
                 raise
             self._events.emit(UpdateAccepted(head.ref.job_id, device_id, head.payload_size))
 
