@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
 from flotilla.core.blobstore import BlobStore
 from flotilla.core.errors import IntegrityError, NotFoundError, WireError
 
-DATA = os.urandom(10_000)
+# Seeded, not os.urandom: SHA names parametrized tests, and pytest-xdist needs every worker
+# to collect the same test ids.
+DATA = random.Random(13).randbytes(10_000)
 SHA = hashlib.sha256(DATA).hexdigest()
 
 
