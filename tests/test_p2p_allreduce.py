@@ -119,3 +119,29 @@ def _reduce_window(
     reduce_s = statistics.median(float(r["allreduce_seconds"]) for r in timed)
     step_s = statistics.median(float(r["seconds"]) for r in timed)
     return max(step_s - reduce_s, 0.0), reduce_s
+
+
+def test_an_averager_process_that_never_gets_ready_is_killed_and_reported() -> None:
+    # A fork that inherits a lock another thread held never gets ready; hivemind would wait
+    # for it forever and hang the agent's round (seen under load). We wait a bounded time.
+    import torch
+
+    from flotilla.core.errors import FlotillaError
+    from flotilla.p2p.averaging import AgreedAverager
+
+    class NeverReady(AgreedAverager):
+        def run(self) -> None:
+            time.sleep(600)
+
+    dht = start_dht()
+    try:
+        averager = NeverReady(
+            [torch.zeros(4)], dht, prefix="never", target_group_size=2, start=False
+        )
+        began = time.monotonic()
+        with pytest.raises(FlotillaError, match="not ready in 2 s"):
+            averager.run_in_background(timeout=2.0)
+        assert time.monotonic() - began < 20
+        assert not averager.is_alive()
+    finally:
+        dht.shutdown()

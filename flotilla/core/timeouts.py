@@ -58,6 +58,9 @@ class Timeouts:
     child_stop_s: float = 15.0
     #: A hivemind DHT node must start within this.
     dht_start_s: float = 30.0
+    #: A hivemind averager's background process must be ready within this; one that is not
+    #: (a fork that inherited a lock another thread held) is killed and its round given up.
+    averager_start_s: float = 30.0
     #: A volunteer waits this long for its run's record to appear in the DHT.
     record_wait_s: float = 20.0
     #: A hivemind optimizer's shutdown waits at most this long for its background work.

@@ -44,6 +44,8 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import amap_in_executor
 
+from flotilla.core.errors import FlotillaError
+from flotilla.core.timeouts import Timeouts
 from flotilla.p2p.lifetime import die_with_parent
 
 VERDICT_SUFFIX = b".flotilla-verdict"
@@ -90,10 +92,21 @@ class CompleteRounds:
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         """hivemind ignores SIGINT in the *calling* process, for good, so that the child
         inherits it; that also works only from the main thread. Start from any thread and
-        leave the caller's Ctrl-C alone; the child ignores SIGINT itself (``run``)."""
+        leave the caller's Ctrl-C alone; the child ignores SIGINT itself (``run``).
+
+        hivemind waits for the forked child without a deadline; a child that never gets
+        ready (one forked while another thread held a lock it needs) would hang the caller
+        for good. Wait ``timeout`` (default ``Timeouts.averager_start_s``), then kill it."""
         self.start()  # type: ignore[attr-defined]
-        if await_ready:
-            self.wait_until_ready(timeout)  # type: ignore[attr-defined]
+        if not await_ready:
+            return
+        limit_s = Timeouts().averager_start_s if timeout is None else timeout
+        try:
+            self.wait_until_ready(limit_s)  # type: ignore[attr-defined]
+        except (TimeoutError, concurrent.futures.TimeoutError) as exc:
+            self.kill()  # type: ignore[attr-defined]
+            self.join(Timeouts().child_stop_s)  # type: ignore[attr-defined]
+            raise FlotillaError(f"the averager process was not ready in {limit_s:.0f} s") from exc
 
     def run(self) -> None:
         die_with_parent()

@@ -79,6 +79,8 @@ class UpdateAverager:
         names = sorted(delta)
         tensors = [torch.from_numpy(np.array(delta[n], dtype=np.float32)) for n in names]
         chunk = plan.chunk_timeout_s
+        # Starting forks hivemind's averaging process; one that never gets ready is
+        # killed and raises FlotillaError (``CompleteRounds.run_in_background``).
         averager = AgreedAverager(
             tensors,
             self._dht_for(plan.initial_peers),
