@@ -50,8 +50,8 @@ from flotilla.core.errors import (
     WireError,
 )
 from flotilla.core.records import DeviceRecord
-from flotilla.core.work import DeviceCredential, WorkOrder
-from flotilla.engine.backend import Reported, TrainTask
+from flotilla.core.work import DeviceCredential
+from flotilla.engine.backend import Reported
 from flotilla.server.federation.facade import Federation
 from flotilla.server.federation.views import BlobSlice
 
@@ -107,7 +107,7 @@ class InProcessTransport:
                 return await self._count(r)
             case Poll():
                 task = await fed.poll(await self._device(r.credential), r.profile, r.peer_id)
-                return None if task is None else work_order(task)
+                return None if task is None else task.order
             case Heartbeat():
                 return fed.heartbeat(await self._device(r.credential), r.round_token)
             case FetchModel():
@@ -159,24 +159,6 @@ def agent_error(exc: FlotillaError, enrolling: bool = False) -> FlotillaError:
     return exc if isinstance(exc, StaleRoundError) else StaleRoundError(str(exc))
 
 
-def work_order(task: TrainTask) -> WorkOrder:
-    """What a device sees of a round's task (the engine keeps layout, codec, transport)."""
-    return WorkOrder(
-        job_id=task.job_id,
-        round=task.round,
-        round_token=task.round_token,
-        task=task.task,
-        config_json=task.config_json,
-        model_sha256=task.model_sha256,
-        model_size=task.model_size,
-        deadline=task.deadline,
-        seed=task.seed,
-        delta_base_sha256=task.delta_base_sha256,
-        delta_sha256=task.delta_sha256,
-        delta_size=task.delta_size,
-    )
-
-
 async def _download(
     federation: Federation, device: DeviceRecord, sha256: str, deadline: float
 ) -> AsyncIterator[Buffer]:
@@ -201,4 +183,4 @@ async def _download(
         await pieces.aclose()
 
 
-__all__ = ["InProcessTransport", "agent_error", "work_order"]
+__all__ = ["InProcessTransport", "agent_error"]

@@ -63,7 +63,7 @@ class Checked:
     def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> RoundStream:
         self.dispatches += 1
         pool = self.gateway.pool
-        self.freed += [d for d in device_ids if pool.busy_with(d) != task.job_id]
+        self.freed += [d for d in device_ids if pool.busy_with(d) != task.order.job_id]
         return self.gateway.dispatch(task, device_ids)
 
 
@@ -74,9 +74,11 @@ async def agent(gateway: Gateway, device_id: str) -> None:
         if task is None:
             await asyncio.sleep(0)
             continue
-        round_ = gateway.expect(device_id, task.job_id, task.round, task.round_token)
+        round_ = gateway.expect(
+            device_id, task.order.job_id, task.order.round, task.order.round_token
+        )
         delta = {"w": np.zeros(4, dtype=np.float32)}
-        update = Update(task.job_id, task.round, device_id, 10, delta)
+        update = Update(task.order.job_id, task.order.round, device_id, 10, delta)
         await gateway.deliver(round_, update, 5.0)
 
 

@@ -13,6 +13,7 @@ from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import StaleRoundError, UpdateRejected
 from flotilla.core.tensors import TensorSpec
 from flotilla.core.update import Update
+from flotilla.core.work import WorkOrder
 from flotilla.engine.backend import Delivered, Failed, RoundResult, TrainTask
 from flotilla.scheduling import DevicePool, Leases
 from flotilla.server.federation.gateway import Gateway
@@ -34,7 +35,7 @@ class FakeClock:
 
 
 def _task(token: str = "tok-1", job: str = JOB, round_no: int = 1) -> TrainTask:
-    return TrainTask(
+    order = WorkOrder(
         job_id=job,
         round=round_no,
         round_token=token,
@@ -44,13 +45,13 @@ def _task(token: str = "tok-1", job: str = JOB, round_no: int = 1) -> TrainTask:
         model_size=123,
         deadline=1e12,
         seed=1,
-        layout=LAYOUT,
     )
+    return TrainTask(order, layout=LAYOUT)
 
 
 def _update(device_id: str, task: TrainTask) -> Update:
     delta = {"w": np.ones(2, dtype=np.float32)}
-    return Update(task.job_id, task.round, device_id, num_samples=10, delta=delta)
+    return Update(task.order.job_id, task.order.round, device_id, num_samples=10, delta=delta)
 
 
 class Round:
@@ -58,7 +59,7 @@ class Round:
 
     def __init__(self, gw: Gateway, task: TrainTask, device_ids: Iterable[str]) -> None:
         ids = list(device_ids)
-        gw.pool.claim(ids, task.job_id)  # the engine claims before it dispatches
+        gw.pool.claim(ids, task.order.job_id)  # the engine claims before it dispatches
         self.task = task
         self.results: AsyncIterator[RoundResult] = gw.dispatch(task, ids)
         self._next: asyncio.Future[RoundResult] | None = None
@@ -111,7 +112,7 @@ async def _open(gw: Gateway, rounds: list[Round], ids: str, task: TrainTask | No
 
 async def _submit(gw: Gateway, device_id: str, task: TrainTask) -> asyncio.Task[None]:
     """An agent's upload: checked against the open round, then handed over for a verdict."""
-    open_round = gw.expect(device_id, task.job_id, task.round, task.round_token)
+    open_round = gw.expect(device_id, task.order.job_id, task.order.round, task.order.round_token)
     delivery = asyncio.create_task(gw.deliver(open_round, _update(device_id, task), 5.0))
     await asyncio.sleep(0)
     return delivery
@@ -128,7 +129,7 @@ async def test_dispatch_offers_the_task_to_each_selected_device(
     gw: Gateway, rounds: list[Round]
 ) -> None:
     rnd = await _open(gw, rounds, "abc")
-    assert gw.round_open(rnd.task.round_token)
+    assert gw.round_open(rnd.task.order.round_token)
     for device_id in "abc":
         assert await gw.poll(device_id, hold_s=0.01) == rnd.task
         assert gw.pool.busy_with(device_id) == JOB
@@ -162,12 +163,12 @@ async def test_expect_refuses_rounds_that_are_not_open_for_the_device(
     rnd = await _open(gw, rounds, "ab")
     task = rnd.task
     await gw.poll("a", 0.01)
-    assert gw.expect("a", JOB, 1, task.round_token).task == task
+    assert gw.expect("a", JOB, 1, task.order.round_token).task == task
     for device_id, job, round_no, token in [
         ("a", JOB, 1, "no-such-token"),
-        ("a", "job-2", 1, task.round_token),
-        ("a", JOB, 2, task.round_token),
-        ("c", JOB, 1, task.round_token),  # not selected for this round
+        ("a", "job-2", 1, task.order.round_token),
+        ("a", JOB, 2, task.order.round_token),
+        ("c", JOB, 1, task.order.round_token),  # not selected for this round
     ]:
         with pytest.raises(StaleRoundError, match="stale round"):
             gw.expect(device_id, job, round_no, token)
@@ -187,7 +188,7 @@ async def test_an_accepted_update_reaches_the_engine_once(
     result.settle(None)
     assert await delivery is None
     with pytest.raises(StaleRoundError):  # a second upload for the same round
-        gw.expect("a", JOB, 1, rnd.task.round_token)
+        gw.expect("a", JOB, 1, rnd.task.order.round_token)
 
 
 async def test_the_stream_ends_once_every_device_has_reported(
@@ -243,18 +244,18 @@ async def test_closing_the_stream_ends_the_round(gw: Gateway, rounds: list[Round
     assert isinstance(result, Delivered)
     result.settle(None)
     await accepted
-    open_for_b = gw.expect("b", JOB, 1, task.round_token)
+    open_for_b = gw.expect("b", JOB, 1, task.order.round_token)
     queued_c = await _submit(gw, "c", task)  # waiting in the stream, not yet read
 
     await rnd.close()
 
-    assert not gw.round_open(task.round_token)
+    assert not gw.round_open(task.order.round_token)
     with pytest.raises(StaleRoundError):
         await queued_c
     with pytest.raises(StaleRoundError):
         await gw.deliver(open_for_b, _update("b", task), 1.0)
     with pytest.raises(StaleRoundError):
-        gw.expect("d", JOB, 1, task.round_token)
+        gw.expect("d", JOB, 1, task.order.round_token)
     # e did no work: free at once, and its offer is withdrawn.
     assert gw.pool.busy_with("e") is None
     assert await gw.poll("e", 0.01) is None
@@ -279,7 +280,7 @@ async def test_a_late_upload_after_close_frees_the_device(gw: Gateway, rounds: l
     await gw.poll("a", 0.01)
     await rnd.close()
     with pytest.raises(StaleRoundError):
-        gw.expect("a", JOB, 1, rnd.task.round_token)
+        gw.expect("a", JOB, 1, rnd.task.order.round_token)
     assert gw.pool.busy_with("a") is None
 
 
@@ -299,7 +300,7 @@ async def test_polling_while_owing_an_update_is_abandonment(
     assert gw.pool.busy_with("a") is None
     assert gw.pool.busy_with("b") == JOB
     with pytest.raises(StaleRoundError):
-        gw.expect("a", JOB, 1, rnd.task.round_token)
+        gw.expect("a", JOB, 1, rnd.task.order.round_token)
 
 
 async def test_a_device_that_has_not_picked_up_its_offer_is_not_abandoning(
@@ -331,7 +332,7 @@ async def test_reap_fails_silent_devices(
     assert gw.pool.busy_with("a") is None
     assert gw.pool.busy_with("b") == JOB
     with pytest.raises(StaleRoundError):
-        gw.expect("a", JOB, 1, rnd.task.round_token)
+        gw.expect("a", JOB, 1, rnd.task.order.round_token)
     assert gw.reap(30.0) == []
 
 
@@ -361,7 +362,7 @@ async def test_an_update_whose_agent_was_told_stale_is_never_aggregated(
     result.settle(None)
     await first
     # The engine is busy elsewhere now; b's upload waits in the stream past its timeout.
-    open_round = gw.expect("b", JOB, 1, rnd.task.round_token)
+    open_round = gw.expect("b", JOB, 1, rnd.task.order.round_token)
     with pytest.raises(StaleRoundError):
         await gw.deliver(open_round, _update("b", rnd.task), 0.01)
     result = await rnd.next()

@@ -25,6 +25,7 @@ from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import StaleRoundError
 from flotilla.core.tensors import TensorSpec, encode_state
 from flotilla.core.update import Update
+from flotilla.core.work import WorkOrder
 from flotilla.engine.backend import Delivered, Failed, ResultStream, RoundResult, TrainTask
 from flotilla.scheduling import Arbiter, DevicePool, Grant, Lease, Leases, RoundOutcome
 from flotilla.server.federation.gateway import Gateway
@@ -307,14 +308,14 @@ class GatewayHarness(Harness):
             assert await self.gw.poll(device_id, 0.01) == self.task
 
     async def finish(self, device_id: str) -> None:
-        rnd = self.gw.expect(device_id, JOB, 1, self.task.round_token)
+        rnd = self.gw.expect(device_id, JOB, 1, self.task.order.round_token)
         update = Update(JOB, 1, device_id, 10, {"w": np.ones(2, dtype=np.float32)})
         self.uploads.append(asyncio.ensure_future(self.gw.deliver(rnd, update, 5.0)))
         await asyncio.sleep(0)
 
     async def finish_late(self, device_id: str) -> None:
         with pytest.raises(StaleRoundError):
-            self.gw.expect(device_id, JOB, 1, self.task.round_token)
+            self.gw.expect(device_id, JOB, 1, self.task.order.round_token)
 
     async def silence(self, device_id: str) -> None:
         self.clock.now += 31
@@ -393,7 +394,7 @@ class SimHarness(Harness):
 
 
 def _task(sha: str) -> TrainTask:
-    return TrainTask(
+    order = WorkOrder(
         job_id=JOB,
         round=1,
         round_token="tok-1",
@@ -403,8 +404,8 @@ def _task(sha: str) -> TrainTask:
         model_size=8,
         deadline=1e12,
         seed=1,
-        layout=LAYOUT,
     )
+    return TrainTask(order, layout=LAYOUT)
 
 
 @pytest.fixture(params=["gateway", "sim"])

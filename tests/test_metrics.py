@@ -67,8 +67,8 @@ async def test_counters_follow_rounds_refusals_bytes_and_devices(
             "job.name=metrics",
         )
         task = await hand.task_of(job_id, timeout_s=60)
-        assert await hand.download(task) == task.model_size
-        ref = RoundRef(task.job_id, task.round, task.round_token)
+        assert await hand.download(task) == task.order.model_size
+        ref = RoundRef(task.order.job_id, task.order.round, task.order.round_token)
         with pytest.raises(WireError, match="exceeds the limit"):
             await fed.federation.reserve_upload(hand.record, ref, 1 << 40)
         with pytest.raises(UpdateRejected, match="shape"):
@@ -109,7 +109,7 @@ async def test_counters_follow_rounds_refusals_bytes_and_devices(
     assert value(samples, "flotilla_bytes_received_total") == bytes_up
     # Downloads: the agents' (in the accounts), the hand device's, and the export.
     sent = value(samples, "flotilla_bytes_sent_total")
-    assert sent == bytes_down + task.model_size + exported
+    assert sent == bytes_down + task.order.model_size + exported
 
     for name in (
         "flotilla_round_duration_seconds",

@@ -26,6 +26,7 @@ from flotilla.core.errors import SpecError, UpdateRejected, WireError
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import TensorSpec, state_sha256
 from flotilla.core.update import Update
+from flotilla.core.work import WorkOrder
 from flotilla.engine import Reported, TrainTask, validate_spec
 from flotilla.engine.p2p_round import Agreement
 from flotilla.engine.tally import RoundTally
@@ -41,11 +42,18 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits.toml"
 
 
 def _p2p_task() -> TrainTask:
-    return TrainTask(
-        job_id="job-1", round=1, round_token="tok-1", task=TASK, config_json="{}",
-        model_sha256="ab" * 32, model_size=1, deadline=1e12, seed=1,
-        layout=(TensorSpec("w", "F32", (2,)),), transport="p2p",
-    )  # fmt: skip
+    order = WorkOrder(
+        job_id="job-1",
+        round=1,
+        round_token="tok-1",
+        task=TASK,
+        config_json="{}",
+        model_sha256="ab" * 32,
+        model_size=1,
+        deadline=1e12,
+        seed=1,
+    )
+    return TrainTask(order, layout=(TensorSpec("w", "F32", (2,)),), transport="p2p")
 
 
 def _gateway() -> Gateway:
@@ -72,14 +80,14 @@ async def test_quorum_of_reports_and_one_checked_upload_commit_the_agreed_model(
     average = np.array([0.25, -0.5], dtype=np.float32)
     sha = state_sha256(apply_average(base, {"w": average}))
     task = _p2p_task()
-    gw.pool.claim(list("abc"), task.job_id)
+    gw.pool.claim(list("abc"), task.order.job_id)
     stream = gw.dispatch(task, list("abc"))
     agreement = Agreement(base, quorum=2, selected=set("abc"))
     tally = RoundTally()
     collecting = asyncio.ensure_future(
         agreement.collect(stream, time.time() + 30, time.time, tally)
     )
-    rnd = gw.expect("a", task.job_id, task.round, task.round_token)
+    rnd = gw.expect("a", task.order.job_id, task.order.round, task.order.round_token)
 
     assert gw.report(rnd, _report("a", sha)) is True  # the first reporter is asked to upload
     assert gw.report(rnd, _report("b", sha)) is False
@@ -109,7 +117,7 @@ async def test_quorum_of_reports_and_one_checked_upload_commit_the_agreed_model(
     held = asyncio.ensure_future(gw.hold_reporter(rnd, "c", 10.0))
     await stream.aclose()  # type: ignore[attr-defined]  # the round closes: c goes free
     assert await asyncio.wait_for(held, 2.0) is False
-    assert not gw.round_open(task.round_token)
+    assert not gw.round_open(task.order.round_token)
     records = agreement.participation(agreed, "job-1", 1, time.time())
     assert sorted(r.device_id for r in records) == ["a", "b", "c"]
     assert all(r.num_samples == 10 and r.metrics == {"train_loss": 0.5} for r in records)
@@ -120,11 +128,11 @@ async def test_reports_that_name_strangers_or_disagree_do_not_commit() -> None:
     gw = _gateway()
     base = {"w": np.zeros(2, dtype=np.float32)}
     task = _p2p_task()
-    gw.pool.claim(list("abc"), task.job_id)
+    gw.pool.claim(list("abc"), task.order.job_id)
     stream = gw.dispatch(task, list("abc"))
     agreement = Agreement(base, quorum=2, selected=set("abc"))
     tally = RoundTally()
-    rnd = gw.expect("a", task.job_id, task.round, task.round_token)
+    rnd = gw.expect("a", task.order.job_id, task.order.round, task.order.round_token)
     one = state_sha256(apply_average(base, {"w": np.ones(2, dtype=np.float32)}))
     other = state_sha256(apply_average(base, {"w": -np.ones(2, dtype=np.float32)}))
     gw.report(rnd, _report("a", one, members="abd"))  # d was not selected

@@ -213,9 +213,10 @@ async def _agent(gateway: Gateway, device_id: str) -> None:
             await asyncio.sleep(0)
             continue
         delta = {"w": np.full(4, 0.01, dtype=np.float32)}
-        update = Update(task.job_id, task.round, device_id, 10, delta)
+        order = task.order
+        update = Update(order.job_id, order.round, device_id, 10, delta)
         with contextlib.suppress(StaleRoundError, UpdateRejected):  # as a real agent does
-            rnd = gateway.expect(device_id, task.job_id, task.round, task.round_token)
+            rnd = gateway.expect(device_id, order.job_id, order.round, order.round_token)
             await gateway.deliver(rnd, update, 5.0)
 
 

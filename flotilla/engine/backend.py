@@ -10,31 +10,19 @@ from flotilla.compression import Codec, NoneCodec
 from flotilla.core.allreduce import Contribution
 from flotilla.core.tensors import TensorSpec
 from flotilla.core.update import Update
+from flotilla.core.work import WorkOrder
 
 
 @dataclass(frozen=True, slots=True)
 class TrainTask:
-    """One round's work order, the same for every device selected for it."""
+    """One round's work, the same for every device selected for it: the order a device
+    receives, and what the server checks updates against."""
 
-    job_id: str
-    round: int
-    #: Unique per attempt at a round, so updates from an earlier attempt are stale.
-    round_token: str
-    task: str
-    #: The job spec's train and data sections, as JSON.
-    config_json: str
-    model_sha256: str
-    model_size: int
-    deadline: float
-    seed: int
+    order: WorkOrder
     #: What every update must look like: the model's tensor names, dtypes and shapes.
     layout: tuple[TensorSpec, ...] = ()
     #: The job's uplink codec: updates arrive in its payload format.
     codec: Codec = field(default_factory=NoneCodec)
-    #: Downlink delta (see engine.broadcast): holders of the base may fetch this instead.
-    delta_base_sha256: str = ""
-    delta_sha256: str = ""
-    delta_size: int = 0
     #: ``p2p``: the devices all-reduce among themselves and report (see engine.p2p_round).
     transport: str = "server"
 

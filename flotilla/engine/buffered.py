@@ -36,7 +36,7 @@ async def _drain(
     lease: Lease[Dispatched], version: int, ctx: RoundContext, out: asyncio.Queue[_Arrival]
 ) -> None:
     """Forward one dispatch's results, tagged with the model version they trained on."""
-    deadline = lease.work.task.deadline
+    deadline = lease.work.task.order.deadline
     async with contextlib.aclosing(lease.work.results) as results:
         for _ in range(len(lease.devices)):
             result = await next_result(results, deadline - ctx.clock())

@@ -168,11 +168,10 @@ def group_plan(
 
 
 def with_plan(task: TrainTask, plan: GroupPlan) -> TrainTask:
-    config = json.loads(task.config_json)
+    config = json.loads(task.order.config_json)
     config["p2p"] = plan.to_dict()
-    return dataclasses.replace(
-        task, config_json=json.dumps(config, sort_keys=True), transport="p2p"
-    )
+    order = dataclasses.replace(task.order, config_json=json.dumps(config, sort_keys=True))
+    return dataclasses.replace(task, order=order, transport="p2p")
 
 
 class P2PRounds:
@@ -213,7 +212,7 @@ class P2PRounds:
         try:
             async with contextlib.aclosing(lease.work.results) as results:
                 agreed = await agreement.collect(
-                    results, lease.work.task.deadline, ctx.clock, tally
+                    results, lease.work.task.order.deadline, ctx.clock, tally
                 )
         finally:
             lease.free(tally.done())

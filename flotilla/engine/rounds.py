@@ -37,6 +37,7 @@ from flotilla.core.tensors import (
     encode_state_parts,
     state_spec,
 )
+from flotilla.core.work import WorkOrder
 from flotilla.engine.backend import Delivered, Failed, Reported, RoundResult, TrainTask
 from flotilla.engine.broadcast import Broadcast, Broadcaster
 from flotilla.engine.buffered import BufferedRounds
@@ -250,7 +251,7 @@ class JobRunner:
 
     def task(self, round_no: int, started: float) -> TrainTask:
         cast = self._broadcast
-        return TrainTask(
+        order = WorkOrder(
             job_id=self._job.id,
             round=round_no,
             round_token=uuid.uuid4().hex,
@@ -260,12 +261,11 @@ class JobRunner:
             model_size=cast.size,
             deadline=started + self._spec.job.round_deadline_s,
             seed=(self._spec.job.seed * 1_000_003 + round_no) % 2**63,
-            layout=self._layout,
-            codec=self._plan.uplink,
             delta_base_sha256=cast.delta_base_sha256,
             delta_sha256=cast.delta_sha256,
             delta_size=cast.delta_size,
         )
+        return TrainTask(order, layout=self._layout, codec=self._plan.uplink)
 
     def fold(self, result: RoundResult, tally: RoundTally, staleness: int | None = None) -> bool:
         if isinstance(result, Failed):

@@ -48,7 +48,7 @@ class SyncRounds:
         quorum = min(ctx.spec.job.min_quorum, len(lease.devices))
         if aggregator.count >= want:
             ended = "with enough updates"
-        elif ctx.clock() >= lease.work.task.deadline:
+        elif ctx.clock() >= lease.work.task.order.deadline:
             ended = "at the deadline"
         else:
             ended = "once no device owed an update"
@@ -82,7 +82,7 @@ async def _collect(
     want = ctx.spec.job.clients_per_round
     aggregator = ctx.aggregator
     while aggregator.count < want:
-        result = await next_result(results, task.deadline - ctx.clock())
+        result = await next_result(results, task.order.deadline - ctx.clock())
         if result is None:
             return
         ctx.fold(result, tally)

@@ -162,7 +162,7 @@ class SimBackend:
         job = self._job(task)
         config = job.config
         open_round = _Round(task, set(device_ids))
-        trainer = self.trainers[task.task]
+        trainer = self.trainers[task.order.task]
         shards = trainer.shards
         pop = self.population
         survivors = []
@@ -178,7 +178,7 @@ class SimBackend:
                 drop_at = now + self._rng.random() * guess
             drop_at = min(drop_at, self.fleet.online_until(device_id))
             if drop_at < now + guess:
-                self.dropouts[(task.job_id, task.round)] += 1
+                self.dropouts[(task.order.job_id, task.order.round)] += 1
                 loop.call_at(
                     drop_at + pop.dropout_detect_s, self._fail, open_round, device_id, "dropped out"
                 )
@@ -191,7 +191,7 @@ class SimBackend:
                 [device.index for _, device, _ in survivors],
                 config.train,
                 config.data,
-                task.seed,
+                task.order.seed,
             )
             for (device_id, device, down), result in zip(survivors, results, strict=True):
                 delta, up = job.pipeline(device.index, result.delta)
@@ -209,40 +209,45 @@ class SimBackend:
                     COMPUTE_METRIC: compute,
                 }
                 update = Update(
-                    task.job_id, task.round, device_id, result.num_samples, delta, metrics
+                    task.order.job_id,
+                    task.order.round,
+                    device_id,
+                    result.num_samples,
+                    delta,
+                    metrics,
                 )
                 loop.call_at(now + seconds, self._arrive, open_round, update, seconds)
         return _Stream(self, open_round)
 
     def _job(self, task: TrainTask) -> _JobContext:
-        job = self._jobs.get(task.job_id)
+        job = self._jobs.get(task.order.job_id)
         if job is None:
-            config = RoundConfig.from_json(task.config_json)
+            config = RoundConfig.from_json(task.order.config_json)
             seed = self._seed * 7919 + len(self._jobs)
-            state_dir = self.state_dir / task.job_id
+            state_dir = self.state_dir / task.order.job_id
             pipeline = SimulatedUplink(
                 config, task.layout, seed, state_dir, self.population.clients
             )
             job = _JobContext(config, pipeline)
-            self._jobs[task.job_id] = job
+            self._jobs[task.order.job_id] = job
         return job
 
     def _global(self, task: TrainTask, config: RoundConfig) -> ModelState:
         """The model devices train from: the broadcast as they decode it."""
-        if self._model is None or self._model[0] != task.model_sha256:
-            state = decode_model(self.blobs.get(task.model_sha256), config)
-            self._model = (task.model_sha256, state)
+        if self._model is None or self._model[0] != task.order.model_sha256:
+            state = decode_model(self.blobs.get(task.order.model_sha256), config)
+            self._model = (task.order.model_sha256, state)
         return self._model[1]
 
     def _download_bytes(self, device_id: str, task: TrainTask) -> int:
         held = self._held.get(device_id)
-        self._held[device_id] = task.model_sha256
-        if task.delta_sha256 and held == task.delta_base_sha256:
-            return task.delta_size
-        return task.model_size
+        self._held[device_id] = task.order.model_sha256
+        if task.order.delta_sha256 and held == task.order.delta_base_sha256:
+            return task.order.delta_size
+        return task.order.model_size
 
     def _arrive(self, open_round: _Round, update: Update, seconds: float) -> None:
-        device_id, job_id = update.device_id, open_round.task.job_id
+        device_id, job_id = update.device_id, open_round.task.order.job_id
         open_round.pending.discard(device_id)
         if open_round.closed:
             self.events.freed(device_id, job_id)  # stale: it is free to serve again
@@ -257,6 +262,6 @@ class SimBackend:
     def _fail(self, open_round: _Round, device_id: str, reason: str) -> None:
         open_round.pending.discard(device_id)
         self._held.pop(device_id, None)
-        self.events.freed(device_id, open_round.task.job_id)
+        self.events.freed(device_id, open_round.task.order.job_id)
         if not open_round.closed:
             open_round.results.put_nowait(Failed(device_id, reason))

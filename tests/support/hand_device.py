@@ -40,13 +40,13 @@ class HandDevice:
         async def offered() -> TrainTask:
             while True:
                 task = await self.fed.federation.poll(self.record, self.profile)
-                if task is not None and task.job_id == job_id:
+                if task is not None and task.order.job_id == job_id:
                     return task
 
         return await asyncio.wait_for(offered(), timeout_s)
 
     async def download(self, task: TrainTask) -> int:
-        pieces = self.fed.federation.fetch_model(self.record, task.model_sha256)
+        pieces = self.fed.federation.fetch_model(self.record, task.order.model_sha256)
         return sum([len(p.data) async for p in pieces])
 
     async def upload(self, task: TrainTask, payload: bytes) -> None:
@@ -54,7 +54,7 @@ class HandDevice:
             yield payload
 
         header = UploadHeader(
-            RoundRef(task.job_id, task.round, task.round_token),
+            RoundRef(task.order.job_id, task.order.round, task.order.round_token),
             num_samples=10,
             payload_size=len(payload),
             payload_sha256=hashlib.sha256(payload).hexdigest(),

@@ -62,7 +62,7 @@ class RoundStream:
 
     async def __anext__(self) -> RoundResult:
         open_round = self._open_round
-        if self._gateway.round_open(open_round.task.round_token) and (
+        if self._gateway.round_open(open_round.task.order.round_token) and (
             open_round.pending or not open_round.results.empty()
         ):
             return await open_round.results.get()
@@ -90,9 +90,9 @@ class Gateway:
 
     def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> RoundStream:
         """Offer the task now (so the devices stay claimed); results stream until closed."""
-        self._jobs.add(task.job_id)
+        self._jobs.add(task.order.job_id)
         open_round = OpenRound(task, self.clock(), set(device_ids))
-        self._rounds[task.round_token] = open_round
+        self._rounds[task.order.round_token] = open_round
         for device_id in device_ids:
             self._offers[device_id] = task
             self._wakeup(device_id).set()
@@ -100,9 +100,9 @@ class Gateway:
 
     def close_round(self, open_round: OpenRound) -> None:
         """The engine is done with ``open_round``: later updates are stale, unread ones refused."""
-        if self._rounds.get(open_round.task.round_token) is not open_round:
+        if self._rounds.get(open_round.task.order.round_token) is not open_round:
             return
-        del self._rounds[open_round.task.round_token]
+        del self._rounds[open_round.task.order.round_token]
         open_round.announce()
         while not open_round.results.empty():
             result = open_round.results.get_nowait()
@@ -110,10 +110,10 @@ class Gateway:
                 result.settle("stale: the round closed before this update was aggregated")
         for device_id in open_round.pending:
             offer = self._offers.get(device_id)
-            if offer is not None and offer.round_token == open_round.task.round_token:
+            if offer is not None and offer.order.round_token == open_round.task.order.round_token:
                 # Never picked up: the device did no work and is free at once.
                 del self._offers[device_id]
-                self.events.freed(device_id, open_round.task.job_id)
+                self.events.freed(device_id, open_round.task.order.job_id)
             # Otherwise it is still training: it stays busy until it polls or submits.
 
     def _wakeup(self, device_id: str) -> asyncio.Event:
@@ -131,8 +131,8 @@ class Gateway:
             except asyncio.TimeoutError:
                 return None
             offer = self._offers.pop(device_id, None)
-        if offer is not None and offer.round_token not in self._rounds:
-            self.events.freed(device_id, offer.job_id)
+        if offer is not None and offer.order.round_token not in self._rounds:
+            self.events.freed(device_id, offer.order.job_id)
             return None
         return offer
 
@@ -169,7 +169,7 @@ class Gateway:
         """The job whose open round assigned ``sha256`` to the device (empty: none)."""
         for r in self._rounds.values():
             if device_id in r.pending and sha256 in _downloads(r.task):
-                return r.task.job_id
+                return r.task.order.job_id
         return ""
 
     def count_download(self, device_id: str, sha256: str, nbytes: int) -> None:
@@ -182,8 +182,8 @@ class Gateway:
         open_round = self._rounds.get(round_token)
         if (
             open_round is None
-            or open_round.task.job_id != job_id
-            or open_round.task.round != round_no
+            or open_round.task.order.job_id != job_id
+            or open_round.task.order.round != round_no
             or device_id not in open_round.pending
         ):
             self._free_unless_owed(device_id)
@@ -222,7 +222,7 @@ class Gateway:
         Held instead of polled, so the round's devices are free the moment it commits."""
         loop = asyncio.get_running_loop()
         end = loop.time() + hold_s
-        while self.round_open(open_round.task.round_token):
+        while self.round_open(open_round.task.order.round_token):
             if self._upload_turn(open_round, device_id):
                 return True
             left = end - loop.time()
@@ -243,7 +243,7 @@ class Gateway:
     async def deliver(self, open_round: OpenRound, update: Update, timeout_s: float) -> None:
         """Hand a decoded update to the engine and wait for its verdict."""
         if (
-            open_round.task.round_token not in self._rounds
+            open_round.task.order.round_token not in self._rounds
             or update.device_id not in open_round.pending
         ):
             raise StaleRoundError("stale round: the round closed while the update was uploading")
@@ -295,7 +295,7 @@ class Gateway:
                 open_round.results.put_nowait(Failed(device_id, reason))
                 # Nothing of it waits to be folded, so it is free now. (A silent device
                 # whose update is already queued stays its job's until that job lets go.)
-                self.events.freed(device_id, open_round.task.job_id)
+                self.events.freed(device_id, open_round.task.order.job_id)
                 open_round.announce()  # it may have been asked to upload a model
         self._offers.pop(device_id, None)
 
@@ -313,4 +313,8 @@ class Gateway:
 
 def _downloads(task: TrainTask) -> tuple[str, ...]:
     """The blobs a device working on ``task`` may fetch: the model, or its delta."""
-    return (task.model_sha256, task.delta_sha256) if task.delta_sha256 else (task.model_sha256,)
+    return (
+        (task.order.model_sha256, task.order.delta_sha256)
+        if task.order.delta_sha256
+        else (task.order.model_sha256,)
+    )

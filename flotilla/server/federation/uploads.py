@@ -218,7 +218,7 @@ class Uploads:
             try:
                 key = await asyncio.wait_for(
                     self._reservations.make(device_id, ref.round_token, size),
-                    self._time_left(open_round.task.deadline),
+                    self._time_left(open_round.task.order.deadline),
                 )
             except asyncio.TimeoutError:
                 raise StaleRoundError(
@@ -284,7 +284,7 @@ class Uploads:
             try:
                 payload = await asyncio.wait_for(
                     self._read(chunks, assembler, device_id),
-                    self._time_left(open_round.task.deadline),
+                    self._time_left(open_round.task.order.deadline),
                 )
             except asyncio.TimeoutError:
                 raise StaleRoundError(
@@ -311,7 +311,7 @@ class Uploads:
             )
             progress.stage = "deliver"
             await self._gateway.deliver(
-                open_round, update, self._time_left(open_round.task.deadline)
+                open_round, update, self._time_left(open_round.task.order.deadline)
             )
 
     def _codec(self, open_round: OpenRound, device_id: str, head: UploadHeader) -> Codec:

@@ -64,7 +64,7 @@ class AgentServicer:
         device = await self._device(context)
         profile = wire.profile_from_pb(request.profile) if request.HasField("profile") else None
         task = await self._federation.poll(device, profile, request.p2p_peer_id)
-        return pb.PollReply() if task is None else pb.PollReply(task=wire.task_to_pb(task))
+        return pb.PollReply() if task is None else pb.PollReply(task=wire.work_to_pb(task.order))
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatReply:
         device = await self._device(context)

@@ -10,8 +10,8 @@ from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import WireError
 from flotilla.core.records import JobRecord, RoundRecord
 from flotilla.core.spec import JobSpec
-from flotilla.core.work import RoundRef, UploadHeader
-from flotilla.engine.backend import Reported, TrainTask
+from flotilla.core.work import RoundRef, UploadHeader, WorkOrder
+from flotilla.engine.backend import Reported
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto.bulk import UpdatePart, blob_chunk
 from flotilla.server.federation import auth
@@ -51,20 +51,20 @@ def profile_from_pb(msg: pb.DeviceProfile, device_id: str = "") -> DeviceProfile
     )
 
 
-def task_to_pb(task: TrainTask) -> pb.TrainTask:
+def work_to_pb(order: WorkOrder) -> pb.TrainTask:
     return pb.TrainTask(
-        job_id=task.job_id,
-        round=task.round,
-        round_token=task.round_token,
-        task=task.task,
-        config_json=task.config_json,
-        model_sha256=task.model_sha256,
-        model_size=task.model_size,
-        deadline_unix=task.deadline,
-        seed=task.seed,
-        delta_base_sha256=task.delta_base_sha256,
-        delta_sha256=task.delta_sha256,
-        delta_size=task.delta_size,
+        job_id=order.job_id,
+        round=order.round,
+        round_token=order.round_token,
+        task=order.task,
+        config_json=order.config_json,
+        model_sha256=order.model_sha256,
+        model_size=order.model_size,
+        deadline_unix=order.deadline,
+        seed=order.seed,
+        delta_base_sha256=order.delta_base_sha256,
+        delta_sha256=order.delta_sha256,
+        delta_size=order.delta_size,
     )
 
 
@@ -186,7 +186,7 @@ __all__ = [
     "profile_from_pb",
     "report_from_pb",
     "round_ref",
-    "task_to_pb",
     "update_payload",
     "volunteer_run_to_pb",
+    "work_to_pb",
 ]
