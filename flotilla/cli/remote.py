@@ -203,11 +203,11 @@ class RemoteServer:
     def _unreachable(self, code: grpc.StatusCode, details: str, timeout_s: float) -> str:
         if self.tls_ca is None:
             how = "over plaintext gRPC (no --tls-ca)"
-            hint = "if it serves TLS (--tls-cert), give --tls-ca CA.pem"
+            hint = "If it serves TLS (--tls-cert), give --tls-ca CA.pem"
         else:
             how = f"over TLS (--tls-ca {self.tls_ca})"
             hint = (
-                "a plaintext server needs no --tls-ca, and the server's certificate must "
+                "A plaintext server needs no --tls-ca, and the server's certificate must "
                 "name the host in --server"
             )
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -99,6 +99,8 @@ def _metric(
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, marker=".", label=job.name)
         ax.set_xlabel(x_label)
+        if x_label == "round":
+            _whole_rounds(ax)
         ax.set_ylabel("held-out " + metric)
         _legend_or_note(ax, f"no round reported {metric}")
 
@@ -119,6 +121,8 @@ def _bytes(jobs: Sequence[JobSeries]) -> Callable[[Any], None]:
             )
             line[0].set_label(f"{job.name} up (solid) / down (dashed)")
         ax.set_xlabel("round")
+        _whole_rounds(ax)
+        ax.set_ylim(bottom=0)
         ax.set_ylabel("MB per round")
         _legend_or_note(ax, "no rounds")
 
@@ -144,6 +148,7 @@ def _participation(plt: Any, jobs: Sequence[JobSeries], groups: str) -> Any:
                 bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
         ax.set_title(f"{job.name}: participants per {groups}" if job.name else "participants")
         ax.set_xlabel("round")
+        _whole_rounds(ax)
         ax.set_ylabel("devices")
         _legend_or_note(ax, "no rounds")
     return fig
@@ -154,6 +159,12 @@ def _top_groups(counts: Sequence[Counter[str]]) -> list[str]:
     for c in counts:
         total.update(c)
     return sorted(g for g, _ in total.most_common(MAX_GROUPS))
+
+
+def _whole_rounds(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _legend_or_note(ax: Any, note: str) -> None:
