@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="debug logging: each round's metrics too"
     )
-    parser.add_argument("--log-file", type=Path, default=None, help="append every detail here")
+    parser.add_argument(
+        "--log-file", type=Path, default=None, metavar="PATH", help="append every detail here"
+    )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _server_parser(commands)
     _client_parser(commands)
