@@ -10,9 +10,11 @@ the screen they leave, as a person would judge them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -58,17 +60,28 @@ def _assert_untorn(screen: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_demo_console_has_one_bar_per_job_and_ends_with_table_and_next_steps(
+def test_demo_console_has_one_bar_per_job_then_its_table_next_steps_and_keeps_serving(
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "demo.log"
+    watched: list[subprocess.CompletedProcess[str]] = []
+
+    def watch_as_told(raw: str) -> None:
+        """Run the watch command the demo printed for its live server (the job is done)."""
+        told = next(line for line in render(raw) if "job status" in line and "--watch" in line)
+        watched.append(flotilla(*told.split()[1:], "--json", timeout=60))
+
     run = run_on_terminal(
-        _flotilla_argv("--log-file", str(log), "demo", "--agents", "2", "--rounds", "2"),
+        _flotilla_argv(
+            "--log-file", str(log), "demo", "--agents", "2", "--rounds", "2", "--keep-serving"
+        ),
         timeout=150,
+        interrupt_at="until Ctrl-C",
+        before_interrupt=watch_as_told,
     )
     screen = run.screen
     shown = "\n".join(screen)
-    assert run.returncode == 0, shown
+    assert run.returncode == 0, shown  # Ctrl-C is how --keep-serving ends
     bars = [_bar_lines(screen, name) for name in ("digits-a", "digits-b")]
     assert [len(b) for b in bars] == [1, 1], shown  # drawn in place, never repeated
     assert bars[1][0] == bars[0][0] + 1, shown  # each job keeps its line
@@ -78,9 +91,14 @@ def test_demo_console_has_one_bar_per_job_and_ends_with_table_and_next_steps(
     table = screen.index("held-out accuracy per round")
     assert table > bars[1][0]
     assert screen[table + 1].split() == ["round", "digits-a", "digits-b"]
-    assert screen[-1].lstrip().startswith("docs:"), shown
-    assert "what to try next:" in screen and "flotilla demo --keep-serving" in shown
-    assert "job status JOB_ID --watch" in shown and "job plot JOB_ID" in shown
+    serving = next(i for i, line in enumerate(screen) if "until Ctrl-C" in line)
+    assert screen[serving - 1].startswith("done in") and serving > table, shown
+    assert [line.split()[:3] for line in screen[serving + 1 : serving + 3]] == [
+        ["flotilla", "job", "status"],
+        ["flotilla", "job", "plot"],
+    ], shown
+    assert [w.returncode for w in watched] == [0], watched
+    assert json.loads(watched[0].stdout.splitlines()[-1])["state"] == "completed"
     details = log.read_text()
     assert METRICS_DICT in details and "round 2/2 committed, accuracy" in details
 
@@ -219,7 +237,7 @@ async def test_watch_follows_a_job_to_its_end_and_plot_draws_it(
     assert changes[-1]["state"] == "completed" and changes[-1]["rounds_committed"] == 2
     assert all(c["id"] == job_id for c in changes)
     seen = [(c["state"], c["rounds_committed"], c["metrics"]) for c in changes]
-    assert all(a != b for a, b in zip(seen, seen[1:], strict=False)), "a line per change only"
+    assert all(a != b for a, b in itertools.pairwise(seen)), "a line per change only"
 
     status = await run_cli("job", "status", job_id, "--json", "--rounds", *where)
     rounds = json.loads(status.stdout)["rounds"]

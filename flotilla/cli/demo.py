@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -146,8 +147,7 @@ async def _federate(options: DemoOptions, state: Path) -> list[DemoJob]:
         await _follow(server.store, ids, progress=not options.as_json)
         results = [await _summary(server.store, job_id) for job_id in ids]
         if options.keep_serving:
-            report(results, options, served)
-            await _until_interrupted()
+            await _until_interrupted(lambda: report(results, options, served))
     finally:
         await asyncio.to_thread(stop_agents, procs, server.config.timeouts.child_stop_s)
         await server.stop()
@@ -193,14 +193,16 @@ async def _follow(store: Store, ids: list[str], progress: bool) -> None:
             await asyncio.sleep(0.5)
 
 
-async def _until_interrupted() -> None:
-    """Until Ctrl-C (or SIGTERM): the normal end of ``--keep-serving``, not an error."""
+async def _until_interrupted(announce: Callable[[], None]) -> None:
+    """Until Ctrl-C (or SIGTERM): the normal end of ``--keep-serving``, not an error.
+    ``announce`` tells the user so, once a Ctrl-C would be caught."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM)
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     try:
+        announce()
         await stop.wait()
     finally:
         for sig in signals:

@@ -13,11 +13,12 @@ import os
 import pty
 import re
 import select
+import signal
 import struct
 import subprocess
 import termios
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tests.support.lifetime import bound
@@ -37,12 +38,19 @@ class TerminalRun:
 
 
 def run_on_terminal(
-    argv: Sequence[str], timeout: float, columns: int = 120, env: dict[str, str] | None = None
+    argv: Sequence[str],
+    timeout: float,
+    columns: int = 120,
+    interrupt_at: str | None = None,
+    before_interrupt: Callable[[str], None] | None = None,
 ) -> TerminalRun:
-    """Run ``argv`` with stdin, stdout and stderr on one pseudo-terminal of ``columns``."""
+    """Run ``argv`` with stdin, stdout and stderr on one pseudo-terminal of ``columns``.
+
+    Once ``interrupt_at`` has been written, ``before_interrupt`` is called with everything
+    written so far, and the command gets SIGINT (Ctrl-C)."""
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
-    env = {**os.environ, **(env or {}), "COLUMNS": str(columns), "LINES": "50"}
+    env = {**os.environ, "COLUMNS": str(columns), "LINES": "50"}
     proc = subprocess.Popen(bound(argv), stdin=child, stdout=child, stderr=child, env=env)
     os.close(child)
     chunks: list[bytes] = []
@@ -58,6 +66,12 @@ def run_on_terminal(
                 if not data:
                     break
                 chunks.append(data)
+                raw = b"".join(chunks).decode(errors="replace")
+                if interrupt_at is not None and interrupt_at in raw:
+                    interrupt_at = None
+                    if before_interrupt is not None:
+                        before_interrupt(raw)
+                    proc.send_signal(signal.SIGINT)
             elif proc.poll() is not None:
                 break
         else:
