@@ -214,7 +214,6 @@ def _where(live: LiveServer) -> tuple[str, ...]:
     return ("--server", f"127.0.0.1:{live.port}", "--state-dir", str(live.server.state_dir))
 
 
-@pytest.mark.slow
 async def test_watch_follows_a_job_to_its_end_and_plot_draws_it(
     live_with_agent: LiveServer, tmp_path: Path
 ) -> None:
