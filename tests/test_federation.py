@@ -321,7 +321,8 @@ def test_cli_help_for_every_command() -> None:
     for args in (
         [], ["server"], ["server", "token", "create"], ["client"], ["job"],
         ["job", "submit"], ["job", "list"], ["job", "status"], ["job", "cancel"],
-        ["job", "export"], ["devices"], ["devices", "list"], ["demo"],
+        ["job", "export"], ["job", "plot"], ["devices"], ["devices", "list"], ["demo"],
+        ["simulate"], ["volunteer", "runs"], ["volunteer", "status"],
     ):  # fmt: skip
         out = flotilla(*args, "--help").stdout
         assert "usage: flotilla" in out

@@ -19,7 +19,7 @@ from tests.support.lifetime import bound
 
 SUBPACKAGES = [
     "core", "compression", "aggregation", "scheduling", "engine", "client", "tasks", "server",
-    "proto", "simulation", "p2p",
+    "proto", "simulation", "p2p", "report",
 ]  # fmt: skip
 
 
@@ -51,6 +51,8 @@ HEAVY_CHECKS = {
         "flotilla.server", "flotilla.simulation", "flotilla.engine", "flotilla.p2p", "torch",
         "grpc", "sqlalchemy", "hivemind",
     ),
+    # Bars and charts load tqdm and matplotlib when they draw, not when imported.
+    "flotilla.report": ("matplotlib", "tqdm", "torch", "grpc", "flotilla.server"),
     "flotilla.core.jobfile": ("flotilla.simulation", "flotilla.engine", "torch", "grpc"),
     "flotilla.compression": (
         "flotilla.server", "flotilla.client", "flotilla.aggregation", "torch", "grpc",

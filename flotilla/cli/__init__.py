@@ -8,6 +8,9 @@ runs, so ``flotilla --help`` loads neither grpc nor the database stack.
 - ``operator``: the ``job`` and ``devices`` commands.
 - ``remote``: :class:`RemoteServer`, the operator's gRPC client the ``job`` and
   ``devices`` commands use, and the JSON shapes they print.
+- ``watch``, ``plot``: ``job status --watch`` and ``job plot``.
+- ``console``: where log lines go (short on the console, details at ``-v`` or in
+  ``--log-file``), clear of progress bars.
 """
 
 from __future__ import annotations
@@ -15,15 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from flotilla.cli.console import setup_logging
 from flotilla.cli.operator import add_devices_parser, add_job_parser
-from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError
+from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError, Unreachable
 
 #: What ``flotilla --help`` says first.
 DESCRIPTION = """``flotilla <command>``: server, client, job, devices, demo, simulate, volunteer.
@@ -31,22 +34,20 @@ DESCRIPTION = """``flotilla <command>``: server, client, job, devices, demo, sim
 Errors map to exit codes, not tracebacks.
 """
 
-EXIT_CODES: dict[type[FlotillaError], int] = {SpecError: 2, AuthError: 3, NotFoundError: 4}
+EXIT_CODES: dict[type[FlotillaError], int] = {
+    SpecError: 2, AuthError: 3, NotFoundError: 4, Unreachable: 5,
+}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()
         return 2
     try:
+        setup_logging(args.verbose, args.log_file, getattr(args, "hushed", ()))
         return handler(args)
     except FlotillaError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -57,7 +58,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flotilla", description=DESCRIPTION)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="debug logging: each round's metrics too"
+    )
+    parser.add_argument(
+        "--log-file", type=Path, default=None, metavar="PATH", help="append every detail here"
+    )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _server_parser(commands)
     _client_parser(commands)
@@ -69,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--jobs", type=int, default=2)
     demo.add_argument("--state-dir", type=Path, default=None, help="keep state here")
     demo.add_argument("--json", action="store_true", help="print the results as JSON")
-    demo.set_defaults(handler=_demo)
+    demo.add_argument("--keep-serving", action="store_true", help="serve until Ctrl-C at the end")
+    # The progress bars show each round: the engine's line per round goes to --log-file.
+    demo.set_defaults(handler=_demo, hushed=("flotilla.engine",))
     _simulate_parser(commands)
     from flotilla.cli.volunteer import add_volunteer_parser
 
@@ -95,15 +103,13 @@ def _simulate_parser(commands: Any) -> None:
     sim.add_argument("--backend", choices=("local", "ray"), default="local")
     sim.add_argument("--json", action="store_true", help="print summary.json to stdout")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
-    sim.set_defaults(handler=_simulate)
+    sim.set_defaults(handler=_simulate, hushed=("flotilla.engine",))
 
 
 def _simulate(args: argparse.Namespace) -> int:
     from flotilla.simulation import load_experiment, run_experiment
     from flotilla.simulation.runner import format_duration
 
-    if not args.verbose:  # the progress bar says it; one log line per round would not
-        logging.getLogger("flotilla.engine").setLevel(logging.WARNING)
     experiment = load_experiment(args.experiment, args.set, args.clients, args.seed)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     summary = run_experiment(
@@ -293,7 +299,9 @@ def _client(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from flotilla.cli.demo import run_demo
 
-    return run_demo(args.agents, args.rounds, args.jobs, args.state_dir, args.json)
+    return run_demo(
+        args.agents, args.rounds, args.jobs, args.state_dir, args.json, args.keep_serving
+    )
 
 
 if __name__ == "__main__":

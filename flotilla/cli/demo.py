@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 from flotilla.core.spec import JobSpec
 
 if TYPE_CHECKING:
+    from flotilla.server.app import ServerConfig
     from flotilla.server.federation.store import Store
 
 DIGITS_TASK = "flotilla.tasks.digits:DigitsTask"
@@ -86,55 +88,125 @@ class DemoJob:
     participants: list[list[str]]
 
 
-async def _federate(state: Path, agents: int, rounds: int, jobs: int, quiet: bool) -> list[DemoJob]:
-    from tqdm import tqdm
+def demo_server_config(state_dir: Path) -> ServerConfig:
+    """The demo's server: every port it listens on picked free (never a fixed default), so
+    a demo runs beside a real server and beside another demo. The one place that says how
+    the demo's server is configured."""
+    from flotilla.server.app import ServerConfig
 
-    from flotilla.server.app import FederationServer, ServerConfig
+    return ServerConfig(port=0, state_dir=state_dir)
+
+
+def dashboard_url(state_dir: Path) -> str | None:
+    """The dashboard's address from the server's ``server.json``; None when the server
+    serves no HTTP (no ``http_port``, or null)."""
+    from flotilla.server.app import STATE_FILE
+
+    try:
+        state = json.loads((state_dir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    port = state.get("http_port")
+    if not isinstance(port, int):
+        return None
+    host = str(state.get("http_host") or state.get("host") or "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """Where the demo's server was: what the closing lines point the user to."""
+
+    port: int
+    state_dir: Path
+    dashboard: str | None
+
+    @property
+    def dashboard_line(self) -> str:
+        """The dashboard's address, and where the token it asks for is."""
+        return f"dashboard: {self.dashboard} (token: {self.state_dir / 'operator.token'})"
+
+
+async def _federate(options: DemoOptions, state: Path) -> list[DemoJob]:
+    from flotilla.server.app import FederationServer
     from flotilla.server.federation import auth
     from flotilla.server.process import single_threaded_blas
 
     single_threaded_blas()  # this process is the demo's server
-    server = FederationServer(ServerConfig(port=0, state_dir=state))
+    server = FederationServer(demo_server_config(state))
     port = await server.start()
+    served = Served(port, state, dashboard_url(state))
+    if served.dashboard and not options.as_json:
+        print(served.dashboard_line, flush=True)
     token = auth.new_secret()
     await server.store.add_enrol_token(auth.hash_secret(token))
-    procs = start_agents(port, token, agents, state)
+    procs = start_agents(port, token, options.agents, state)
     try:
-        base = JobSpec.load(example_spec_path(), [f"job.rounds={rounds}"])
-        ids = []
-        for j in range(jobs):
-            spec = JobSpec.from_dict(
-                {
-                    **base.to_dict(),
-                    "job": {**base.to_dict()["job"], "name": f"digits-{chr(97 + j)}", "seed": j},
-                }
-            )
-            ids.append((await server.submit_job(spec.to_json())).id)
-        bars = [
-            tqdm(
-                total=rounds, desc=f"digits-{chr(97 + j)}", position=j, disable=quiet, unit="round"
-            )
-            for j in range(jobs)
-        ]
-        while True:
-            done = 0
-            for bar, job_id in zip(bars, ids, strict=True):
-                job = await server.store.get_job(job_id)
-                assert job is not None
-                bar.n = job.rounds_committed
-                if "accuracy" in job.metrics:
-                    bar.set_postfix(accuracy=f"{job.metrics['accuracy']:.3f}")
-                bar.refresh()
-                done += job.terminal
-            if done == len(ids):
-                break
-            await asyncio.sleep(0.5)
-        for bar in bars:
-            bar.close()
-        return [await _summary(server.store, job_id) for job_id in ids]
+        ids = [(await server.submit_job(spec.to_json())).id for spec in demo_specs(options)]
+        await _follow(server.store, ids, progress=not options.as_json)
+        results = [await _summary(server.store, job_id) for job_id in ids]
+        if options.keep_serving:
+            await _until_interrupted(lambda: report(results, options, served))
     finally:
         await asyncio.to_thread(stop_agents, procs, server.config.timeouts.child_stop_s)
         await server.stop()
+    if not options.keep_serving:  # last, below the lines of the agents leaving
+        report(results, options, served)
+    return results
+
+
+def demo_specs(options: DemoOptions) -> list[JobSpec]:
+    """The demo's jobs: the digits example, named digits-a, digits-b, ..., seeded apart."""
+    base = JobSpec.load(example_spec_path(), [f"job.rounds={options.rounds}"]).to_dict()
+    return [
+        JobSpec.from_dict({**base, "job": {**base["job"], "name": _name(j), "seed": j}})
+        for j in range(options.jobs)
+    ]
+
+
+def _name(j: int) -> str:
+    return f"digits-{chr(97 + j)}"
+
+
+async def _follow(store: Store, ids: list[str], progress: bool) -> None:
+    """Until every job has ended: a bar per job (a line per round where stderr is no
+    terminal)."""
+    from flotilla.report import JobBars
+
+    totals = {}
+    for job_id in ids:
+        job = await store.get_job(job_id)
+        assert job is not None, job_id
+        totals[job.name] = job.rounds_total
+    with JobBars(totals, bars=None if progress else False) as bars:
+        while True:
+            jobs = [await store.get_job(job_id) for job_id in ids]
+            for job in jobs:
+                assert job is not None
+                accuracy = job.metrics.get("accuracy")
+                notes = {"accuracy": f"{accuracy:.3f}"} if accuracy is not None else {}
+                if progress:
+                    bars.update(job.name, job.rounds_committed, **notes)
+            if all(job is not None and job.terminal for job in jobs):
+                return
+            await asyncio.sleep(0.5)
+
+
+async def _until_interrupted(announce: Callable[[], None]) -> None:
+    """Until Ctrl-C (or SIGTERM): the normal end of ``--keep-serving``, not an error.
+    ``announce`` tells the user so, once a Ctrl-C would be caught."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        announce()
+        await stop.wait()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
 
 
 async def _summary(store: Store, job_id: str) -> DemoJob:
@@ -167,20 +239,69 @@ def print_table(results: list[DemoJob]) -> None:
     print("final " + " ".join(_cell(r.accuracy[-1] if r.accuracy else None) for r in results))
 
 
-def run_demo(agents: int, rounds: int, jobs: int, state_dir: Path | None, as_json: bool) -> int:
-    started = time.monotonic()
+def report(results: list[DemoJob], options: DemoOptions, served: Served) -> None:
+    """The demo's last words: its table, the dashboard and what to try next (``--json``:
+    the results as JSON, nothing else)."""
+    if options.as_json:
+        jobs_json = [dataclasses.asdict(r) for r in results]
+        print(json.dumps({"jobs": jobs_json, "seconds": time.monotonic() - options.started}))
+        return
+    print_table(results)
+    print(f"done in {time.monotonic() - options.started:.1f}s")
+    print(next_steps(results, options.keep_serving, served), flush=True)
+
+
+def next_steps(results: list[DemoJob], keep_serving: bool, served: Served) -> str:
+    """Where to go from here; with ``--keep-serving``, commands for this very server."""
+    job = results[0].id if results else "JOB_ID"
+    where = f"--server 127.0.0.1:{served.port} --state-dir {served.state_dir}"
+    lines = []
+    if keep_serving:
+        if served.dashboard:
+            lines.append(served.dashboard_line)
+        lines.append(f"serving on 127.0.0.1:{served.port} until Ctrl-C. Meanwhile, try:")
+    else:
+        lines.append("what to try next:")
+        lines.append("  flotilla demo --keep-serving       # keep the server up to look around")
+        job, where = "JOB_ID", "--server HOST:PORT --state-dir STATE"
+    lines += [
+        f"  flotilla job status {job} --watch {where}",
+        f"  flotilla job plot {job} --out plots {where}",
+        "  flotilla simulate examples/digits-sim.toml --out sim-out && flotilla dashboard sim-out",
+        "  docs: docs/cli.md (every command), docs/simulation.md, docs/federation.md",
+    ]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """What ``flotilla demo`` was asked for."""
+
+    agents: int
+    rounds: int
+    jobs: int
+    as_json: bool = False
+    keep_serving: bool = False
+    #: ``time.monotonic()`` at the start, for "done in".
+    started: float = 0.0
+
+
+def run_demo(
+    agents: int,
+    rounds: int,
+    jobs: int,
+    state_dir: Path | None,
+    as_json: bool,
+    keep_serving: bool = False,
+) -> int:
+    options = DemoOptions(agents, rounds, jobs, as_json, keep_serving, time.monotonic())
     with contextlib.ExitStack() as stack:
         if state_dir is None:
             state_dir = Path(
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="flotilla-demo-"))
             )
-        print(f"flotilla demo: server + {agents} agents, {jobs} jobs x {rounds} rounds")
-        print(f"state in {state_dir}")
-        results = asyncio.run(_federate(state_dir, agents, rounds, jobs, quiet=as_json))
-    if as_json:
-        jobs_json = [dataclasses.asdict(r) for r in results]
-        print(json.dumps({"jobs": jobs_json, "seconds": time.monotonic() - started}))
-    else:
-        print_table(results)
-        print(f"done in {time.monotonic() - started:.1f}s")
+        if not as_json:
+            print(f"flotilla demo: server + {agents} agents, {jobs} jobs x {rounds} rounds")
+            print(f"state in {state_dir}", flush=True)
+        results = asyncio.run(_federate(options, state_dir))
     return 0 if all(r.state == "completed" for r in results) else 1

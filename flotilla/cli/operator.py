@@ -1,4 +1,8 @@
-"""``flotilla job ...`` and ``flotilla devices ...``: an operator's calls to a running server."""
+"""``flotilla job ...`` and ``flotilla devices ...``: an operator's calls to a running server.
+
+Every listing and status command takes ``--json``; ``job status --watch`` is in
+:mod:`flotilla.cli.watch`, ``job plot`` in :mod:`flotilla.cli.plot`.
+"""
 
 from __future__ import annotations
 
@@ -32,14 +36,24 @@ def add_job_parser(commands: Any) -> None:
     submit.add_argument("spec", type=Path, help="a job spec, or an experiment file (its jobs)")
     submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     submit.add_argument("--job", default=None, help="of an experiment's jobs, only this one")
+    submit.add_argument("--json", action="store_true", help="the submitted jobs as JSON")
     listing = add("list", "list jobs", _job_list)
     listing.add_argument("--json", action="store_true")
     status = add("status", "one job's state and metrics", _job_status)
     status.add_argument("job_id")
     status.add_argument("--json", action="store_true")
     status.add_argument("--rounds", action="store_true", help="include every round")
+    status.add_argument(
+        "--watch", action="store_true",
+        help="redraw until the job ends; exit 0 completed, 1 failed or cancelled",
+    )  # fmt: skip
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
     cancel = add("cancel", "cancel a job", _job_cancel)
     cancel.add_argument("job_id")
+    cancel.add_argument("--json", action="store_true")
+    plot = add("plot", "PNG charts of a job's rounds (the plots extra)", _job_plot)
+    plot.add_argument("job_id")
+    plot.add_argument("--out", type=Path, required=True, help="directory for the PNG files")
     export = add("export", "download a job's latest model as safetensors", _job_export)
     export.add_argument("job_id")
     export.add_argument("--out", type=Path, required=True)
@@ -81,9 +95,9 @@ def _devices_list(args: argparse.Namespace) -> int:
 
 
 def _remote(args: argparse.Namespace) -> RemoteServer:
-    from flotilla.cli.remote import RemoteServer, operator_token
+    from flotilla.cli.remote import RemoteServer
 
-    return RemoteServer(args.server, operator_token(args.state_dir, args.token), args.tls_ca)
+    return RemoteServer.of(args.server, args.state_dir, args.token, args.tls_ca)
 
 
 def _job_submit(args: argparse.Namespace) -> int:
@@ -96,13 +110,17 @@ def _job_submit(args: argparse.Namespace) -> int:
             raise SpecError(f"{args.spec}: no job named {args.job!r}")
 
     async def go() -> int:
-        ids = []
+        from flotilla.cli.remote import job_json
+
+        ids, infos = [], []
         async with _remote(args) as remote:
             for spec in specs:
                 info = await remote.submit(spec)
-                print(f"submitted {info.name}")
+                if not args.json:
+                    print(f"submitted {info.name}")
                 ids.append(info.id)
-        print("\n".join(ids))
+                infos.append(job_json(info))
+        print(json.dumps(infos, indent=2) if args.json else "\n".join(ids))
         return 0
 
     return asyncio.run(go())
@@ -131,6 +149,9 @@ def _job_list(args: argparse.Namespace) -> int:
 def _job_status(args: argparse.Namespace) -> int:
     from flotilla.cli.remote import job_json
 
+    if args.watch:
+        return _job_watch(args)
+
     async def go() -> int:
         async with _remote(args) as remote:
             info = job_json(await remote.job(args.job_id, args.rounds), args.rounds)
@@ -149,11 +170,40 @@ def _job_status(args: argparse.Namespace) -> int:
     return asyncio.run(go())
 
 
+def _job_watch(args: argparse.Namespace) -> int:
+    from flotilla.cli.watch import watch
+
+    if args.rounds:
+        raise SpecError("--watch shows the latest round; drop --rounds")
+    if not args.interval > 0:
+        raise SpecError(f"--interval must be > 0, got {args.interval}")
+
+    async def go() -> int:
+        async with _remote(args) as remote:
+            return await watch(remote, args.job_id, args.interval, args.json)
+
+    return asyncio.run(go())
+
+
 def _job_cancel(args: argparse.Namespace) -> int:
+    from flotilla.cli.remote import job_json
+
     async def go() -> int:
         async with _remote(args) as remote:
             info = await remote.cancel(args.job_id)
-        print(f"{info.id} {info.state}")
+        print(json.dumps(job_json(info), indent=2) if args.json else f"{info.id} {info.state}")
+        return 0
+
+    return asyncio.run(go())
+
+
+def _job_plot(args: argparse.Namespace) -> int:
+    from flotilla.cli.plot import plot_job
+
+    async def go() -> int:
+        async with _remote(args) as remote:
+            written = await plot_job(remote, args.job_id, args.out)
+        print("\n".join(str(path) for path in written))
         return 0
 
     return asyncio.run(go())

@@ -1,4 +1,8 @@
-"""The operator's handle on a running server, over gRPC (what ``flotilla job ...`` uses)."""
+"""The operator's handle on a running server, over gRPC (what ``flotilla job ...`` uses).
+
+A failed call becomes a Flotilla error whose message says what to do next: which address
+could not be reached and whether TLS was expected, or which token file was refused.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any
 import grpc
 
 from flotilla.core.blobs import BlobAssembler
-from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError
+from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError, Unreachable
 from flotilla.core.spec import JobSpec
 from flotilla.core.timeouts import Timeouts
 from flotilla.proto import flotilla_pb2 as pb
@@ -21,6 +25,9 @@ _ERRORS: dict[grpc.StatusCode, type[FlotillaError]] = {
     grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.INVALID_ARGUMENT: SpecError,
 }
+#: Codes that mean no server answered: nothing listens there, TLS on one side only, or no
+#: answer in time. Not in ``_ERRORS``: no server sends them on purpose.
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def operator_token(state_dir: Path | None, token: str | None) -> str:
@@ -33,6 +40,13 @@ def operator_token(state_dir: Path | None, token: str | None) -> str:
         return path.read_text().strip()
     except FileNotFoundError as exc:
         raise AuthError(f"no operator token at {path}; has the server started there?") from exc
+
+
+def token_origin(state_dir: Path | None, token: str | None) -> str:
+    """Where :func:`operator_token` took the token from, for an error message."""
+    return (
+        "given with --token" if token else f"read from {Path(state_dir or '.') / 'operator.token'}"
+    )
 
 
 def device_json(info: pb.DeviceInfo) -> dict[str, Any]:
@@ -51,7 +65,7 @@ def device_json(info: pb.DeviceInfo) -> dict[str, Any]:
 
 
 def job_json(info: pb.JobInfo, with_rounds: bool = False) -> dict[str, Any]:
-    """The ``job status --json`` shape."""
+    """The ``job status --json`` shape (``--rounds``: with every committed round)."""
     out: dict[str, Any] = {
         "id": info.id,
         "name": info.name,
@@ -61,28 +75,33 @@ def job_json(info: pb.JobInfo, with_rounds: bool = False) -> dict[str, Any]:
         "rounds_total": info.rounds_total,
         "metrics": dict(info.metrics),
         "created_at": info.created_at,
+        "updated_at": info.updated_at,
     }
     if with_rounds:
-        out["rounds"] = [
-            {
-                "round": r.round,
-                "metrics": dict(r.metrics),
-                "participants": list(r.participants),
-                "devices": [
-                    {
-                        "device_id": d.device_id,
-                        "num_samples": d.num_samples,
-                        "metrics": dict(d.metrics),
-                    }
-                    for d in r.devices
-                ],
-                "started_at": r.started_at,
-                "committed_at": r.committed_at,
-                "checkpoint_sha256": r.checkpoint_sha256,
-            }
-            for r in info.rounds
-        ]
+        out["rounds"] = [round_json(r) for r in info.rounds]
     return out
+
+
+def round_json(r: pb.RoundInfo) -> dict[str, Any]:
+    """One round of ``job status --json --rounds``: who delivered, and the round's account."""
+    return {
+        "round": r.round,
+        "metrics": dict(r.metrics),
+        "participants": list(r.participants),
+        "devices": [
+            {"device_id": d.device_id, "num_samples": d.num_samples, "metrics": dict(d.metrics)}
+            for d in r.devices
+        ],
+        "started_at": r.started_at,
+        "committed_at": r.committed_at,
+        "checkpoint_sha256": r.checkpoint_sha256,
+        "selected": list(r.selected),
+        "failures": [{"device_id": f.device_id, "reason": f.reason} for f in r.failures],
+        "stale": list(r.stale),
+        "bytes_up": r.bytes_up,
+        "bytes_down": r.bytes_down,
+        "decisions": list(r.decisions),
+    }
 
 
 @dataclass
@@ -94,6 +113,17 @@ class RemoteServer:
     token: str
     tls_ca: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
+    #: Where the token came from (:func:`token_origin`): named when the server refuses it.
+    token_from: str = "given with --token"
+
+    @classmethod
+    def of(
+        cls, target: str, state_dir: Path | None, token: str | None, tls_ca: Path | None
+    ) -> RemoteServer:
+        """The server at ``target`` with the operator token from ``--token`` or
+        ``--state-dir`` (as every operator command takes them)."""
+        origin = token_origin(state_dir, token)
+        return cls(target, operator_token(state_dir, token), tls_ca, token_from=origin)
 
     async def __aenter__(self) -> RemoteServer:
         self._channel = open_channel(self.target, self.tls_ca)
@@ -109,10 +139,11 @@ class RemoteServer:
         return (("authorization", f"Bearer {self.token}"),)
 
     async def _call(self, method: Any, request: Any) -> Any:
+        timeout = self.timeouts.operator_s
         try:
-            return await method(request, metadata=self._md, timeout=self.timeouts.operator_s)
+            return await method(request, metadata=self._md, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            raise _translate(exc) from exc
+            raise self._translate(exc, timeout) from exc
 
     async def submit(self, spec: JobSpec) -> pb.JobInfo:
         info: pb.JobInfo = await self._call(
@@ -152,12 +183,35 @@ class RemoteServer:
                     assembler = BlobAssembler(chunk.total_size, chunk.sha256, max_bytes)
                 assembler.add(chunk.data, chunk.offset)
         except grpc.aio.AioRpcError as exc:
-            raise _translate(exc) from exc
+            raise self._translate(exc, self.timeouts.export_s) from exc
         if assembler is None:
             raise NotFoundError(f"job {job_id} has no model")
         return bytes(assembler.finish())
 
+    def _translate(self, exc: grpc.aio.AioRpcError, timeout_s: float) -> FlotillaError:
+        code = exc.code()
+        details = exc.details() or code.name
+        if code in _UNREACHABLE:
+            return Unreachable(self._unreachable(code, details, timeout_s))
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return AuthError(
+                f"the server at {self.target} refused the operator token {self.token_from} "
+                f"({details}): use the operator.token in that server's --state-dir, or --token"
+            )
+        return _ERRORS.get(code, FlotillaError)(details)
 
-def _translate(exc: grpc.aio.AioRpcError) -> FlotillaError:
-    cls = _ERRORS.get(exc.code(), FlotillaError)
-    return cls(exc.details() or exc.code().name)
+    def _unreachable(self, code: grpc.StatusCode, details: str, timeout_s: float) -> str:
+        if self.tls_ca is None:
+            how = "over plaintext gRPC (no --tls-ca)"
+            hint = "If it serves TLS (--tls-cert), give --tls-ca CA.pem"
+        else:
+            how = f"over TLS (--tls-ca {self.tls_ca})"
+            hint = (
+                "A plaintext server needs no --tls-ca, and the server's certificate must "
+                "name the host in --server"
+            )
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            what = f"no answer from {self.target} {how} within {timeout_s:g}s"
+        else:
+            what = f"cannot reach a flotilla server at {self.target} {how}"
+        return f"{what}: {details}. Is `flotilla server` running there? {hint}."

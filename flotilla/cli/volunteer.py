@@ -183,11 +183,10 @@ def _coordinate(args: argparse.Namespace) -> int:
 def _runs(args: argparse.Namespace) -> int:
     import asyncio
 
-    from flotilla.cli.remote import RemoteServer, operator_token
+    from flotilla.cli.remote import RemoteServer
 
     async def go() -> list[dict[str, Any]]:
-        token = operator_token(args.state_dir, args.token)
-        async with RemoteServer(args.server, token, args.tls_ca) as remote:
+        async with RemoteServer.of(args.server, args.state_dir, args.token, args.tls_ca) as remote:
             return [
                 {
                     "run": r.run,

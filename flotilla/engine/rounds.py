@@ -376,7 +376,11 @@ class JobRunner:
             events.emit(JobChanged(self._job.id, self._job.state))
         self._refused = 0
         await self._prepare_broadcast()
-        log.info("job %s round %d committed: %s", self._job.id, round_no, metrics)
+        # A short line for the console; the whole dict (scheduler timings too) at debug level.
+        headline = "".join(f", {k} {metrics[k]:.4f}" for k in ("accuracy", "loss") if k in metrics)
+        job = self._job
+        log.info("job %s round %d/%d committed%s", job.id, round_no, job.rounds_total, headline)
+        log.debug("job %s round %d metrics: %s", job.id, round_no, metrics)
 
     def _write_checkpoint(self, new_model: ModelState) -> tuple[str, str]:
         blobs = self.services.blobs

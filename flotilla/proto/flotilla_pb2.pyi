@@ -220,7 +220,7 @@ class GetJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., with_rounds: _Optional[bool] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round", "metrics", "participants", "started_at", "committed_at", "devices", "checkpoint_sha256")
+    __slots__ = ("round", "metrics", "participants", "started_at", "committed_at", "devices", "checkpoint_sha256", "selected", "failures", "stale", "bytes_up", "bytes_down", "decisions")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,12 @@ class RoundInfo(_message.Message):
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_UP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
     round: int
     metrics: _containers.ScalarMap[str, float]
     participants: _containers.RepeatedScalarFieldContainer[str]
@@ -242,7 +248,21 @@ class RoundInfo(_message.Message):
     committed_at: float
     devices: _containers.RepeatedCompositeFieldContainer[Participation]
     checkpoint_sha256: str
-    def __init__(self, round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., participants: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[Participation, _Mapping]]] = ..., checkpoint_sha256: _Optional[str] = ...) -> None: ...
+    selected: _containers.RepeatedScalarFieldContainer[str]
+    failures: _containers.RepeatedCompositeFieldContainer[RoundFailure]
+    stale: _containers.RepeatedScalarFieldContainer[str]
+    bytes_up: int
+    bytes_down: int
+    decisions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., participants: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[Participation, _Mapping]]] = ..., checkpoint_sha256: _Optional[str] = ..., selected: _Optional[_Iterable[str]] = ..., failures: _Optional[_Iterable[_Union[RoundFailure, _Mapping]]] = ..., stale: _Optional[_Iterable[str]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., decisions: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RoundFailure(_message.Message):
+    __slots__ = ("device_id", "reason")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    reason: str
+    def __init__(self, device_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AverageReport(_message.Message):
     __slots__ = ("job_id", "round", "round_token", "model_sha256", "group_id", "contributors", "allreduce_seconds", "reverted")
@@ -290,7 +310,7 @@ class Participation(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("id", "name", "state", "rounds_committed", "rounds_total", "metrics", "rounds", "task", "created_at", "spec_json")
+    __slots__ = ("id", "name", "state", "rounds_committed", "rounds_total", "metrics", "rounds", "task", "created_at", "spec_json", "updated_at")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +328,7 @@ class JobInfo(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: str
@@ -318,7 +339,8 @@ class JobInfo(_message.Message):
     task: str
     created_at: float
     spec_json: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., rounds_committed: _Optional[int] = ..., rounds_total: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., rounds: _Optional[_Iterable[_Union[RoundInfo, _Mapping]]] = ..., task: _Optional[str] = ..., created_at: _Optional[float] = ..., spec_json: _Optional[str] = ...) -> None: ...
+    updated_at: float
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., rounds_committed: _Optional[int] = ..., rounds_total: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., rounds: _Optional[_Iterable[_Union[RoundInfo, _Mapping]]] = ..., task: _Optional[str] = ..., created_at: _Optional[float] = ..., spec_json: _Optional[str] = ..., updated_at: _Optional[float] = ...) -> None: ...
 
 class ListJobsReply(_message.Message):
     __slots__ = ("jobs",)

@@ -38,6 +38,7 @@ from flotilla.engine import (
     selection_rng,
     submitted_job,
 )
+from flotilla.report import JobBars, JobSeries, RoundPoint, write_plots
 from flotilla.scheduling import Arbiter, DevicePool, Leases
 from flotilla.simulation.backend import SimBackend
 from flotilla.simulation.clock import run_simulated
@@ -114,10 +115,18 @@ class SimLedger:
         return job
 
 
+class Progress(Protocol):
+    """Told of each job's committed rounds (:class:`flotilla.report.JobBars` draws bars)."""
+
+    def update(self, name: str, done: int, **notes: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class RunLog:
     """A simulation's record of committed rounds: ``metrics.jsonl`` (each row with its
     round's account, as a server stores it), ``participation.jsonl``, the rows
-    ``summary.json`` and the plots are made of, and the progress bar."""
+    ``summary.json`` and the plots are made of, and the progress shown."""
 
     def __init__(
         self,
@@ -125,15 +134,19 @@ class RunLog:
         participation: IO[str],
         dropouts: Mapping[tuple[str, int], int],
         wall_start: float,
-        progress: Any = None,
+        progress: Progress | None = None,
+        device_classes: Mapping[str, str] | None = None,
     ) -> None:
         #: Each job's metrics rows, by job id, in commit order.
         self.history: dict[str, list[dict[str, Any]]] = {}
+        #: Each job's rounds as the plots draw them, by job name, in commit order.
+        self.points: dict[str, list[RoundPoint]] = {}
         self._out = out
         self._participation = participation
         self._dropouts = dropouts
         self._wall_start = wall_start
         self._progress = progress
+        self._classes = device_classes or {}
 
     def committed(self, job: JobRecord, commit: RoundCommit) -> None:
         row = {
@@ -153,13 +166,25 @@ class RunLog:
         self.history.setdefault(job.id, []).append(row)
         self._out.write(json.dumps(row, sort_keys=True) + "\n")
         self._out.flush()
-        for p in commit.participants:
+        classes = tuple(self._classes.get(p.device_id, p.device_id) for p in commit.participants)
+        self.points.setdefault(job.name, []).append(
+            RoundPoint(
+                round=commit.round,
+                seconds=commit.committed_at,
+                metrics=dict(commit.metrics),
+                bytes_up=commit.account.bytes_up,
+                bytes_down=commit.account.bytes_down,
+                participants=classes,
+            )
+        )
+        for p, device_class in zip(commit.participants, classes, strict=True):
             self._participation.write(
                 json.dumps(
                     {
                         "job": job.name,
                         "round": commit.round,
                         "device": p.device_id,
+                        "device_class": device_class,
                         "num_samples": p.num_samples,
                         "started_at": p.started_at,
                         "finished_at": p.finished_at,
@@ -172,12 +197,12 @@ class RunLog:
             )
         if self._progress is not None:
             accuracy = commit.metrics.get("accuracy")
-            self._progress.set_postfix(
+            self._progress.update(
+                job.name,
+                commit.round,
                 sim=format_duration(commit.committed_at),
-                acc="-" if accuracy is None else f"{accuracy:.3f}",
-                refresh=False,
+                accuracy="-" if accuracy is None else f"{accuracy:.3f}",
             )
-            self._progress.update(1)
 
 
 def run_experiment(
@@ -185,12 +210,13 @@ def run_experiment(
     out_dir: Path,
     devices: Sequence[str] = ("cpu",),
     backend: str = "local",
-    progress: bool = True,
+    progress: bool | Progress = True,
 ) -> dict[str, Any]:
     """Run every job of ``experiment`` to the end; returns what ``summary.json`` holds.
 
     ``devices``: where clients train (one worker process per device when there are
-    several); ``backend``: ``local`` or ``ray`` (workers as Ray actors).
+    several); ``backend``: ``local`` or ``ray`` (workers as Ray actors); ``progress``:
+    True for a bar per job on stderr (a line per round where it is no terminal).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     wall_start = time.perf_counter()
@@ -215,7 +241,7 @@ async def _simulate(
     out_dir: Path,
     scratch: Path,
     trainers: dict[str, ClientTrainer],
-    progress: bool,
+    progress: bool | Progress,
     wall_start: float,
 ) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
@@ -224,15 +250,17 @@ async def _simulate(
     pool = DevicePool(clock=loop.time)
     leases = Leases(pool)
     tasks = tuple(sorted({spec.job.task for spec in experiment.jobs}))
-    fleet = Fleet(draw_devices(pop, seed), tasks, pop.availability, seed, leases)
+    virtual = draw_devices(pop, seed)
+    fleet = Fleet(virtual, tasks, pop.availability, seed, leases)
     blobs = BlobStore(scratch / "blobs")
     backend = SimBackend(fleet, leases, blobs, trainers, pop, experiment.seed, scratch / "clients")
-    bar = _progress_bar(sum(s.job.rounds for s in experiment.jobs), progress)
+    bar = _progress(experiment, progress)
     with (
         (out_dir / "metrics.jsonl").open("w") as out,
         (out_dir / "participation.jsonl").open("w") as participation,
     ):
-        run_log = RunLog(out, participation, backend.dropouts, wall_start, bar)
+        classes = {d.device_id: d.kind for d in virtual}
+        run_log = RunLog(out, participation, backend.dropouts, wall_start, bar, classes)
         ledger = SimLedger([run_log])
         arbiter = Arbiter(pool, loop.time, SIM_ENGINE.selection_grace_s, SIM_ENGINE.idle_poll_s)
         services = EngineServices(backend, leases, arbiter, ledger, blobs, loop.time, SIM_ENGINE)
@@ -277,7 +305,8 @@ async def _simulate(
             "final_metrics": dict(job.metrics),
             "simulated_seconds": history[-1]["simulated_time"] if history else 0.0,
         }
-    _plot(run_log.history, out_dir)
+    series = [JobSeries(name, tuple(points)) for name, points in run_log.points.items()]
+    write_plots(series, out_dir, time_label="simulated time")
     finals = [j["final_metrics"] for j in summary_jobs.values()]
     overall = (
         {
@@ -380,37 +409,9 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 86_400:.1f}d"
 
 
-def _progress_bar(total: int, enabled: bool) -> Any:
-    if not enabled:
+def _progress(experiment: Experiment, progress: bool | Progress) -> Progress | None:
+    if not isinstance(progress, bool):
+        return progress
+    if not progress:
         return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="simulate", unit="round", dynamic_ncols=True)
-
-
-def _plot(history: Mapping[str, list[dict[str, Any]]], out_dir: Path) -> None:
-    """Accuracy against simulated time and against round, one line per job."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    end = max((r["simulated_time"] for rows in history.values() for r in rows), default=0)
-    unit, per = ("s", 1.0) if end < 120 else ("min", 60.0) if end < 7200 else ("h", 3600.0)
-    for x_key, x_label, name, scale in (
-        ("simulated_time", f"simulated time ({unit})", "accuracy_vs_time.png", per),
-        ("round", "round", "accuracy_vs_round.png", 1.0),
-    ):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for rows in history.values():
-            points = [(r[x_key] / scale, r["accuracy"]) for r in rows if "accuracy" in r]
-            if points:
-                xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker=".", label=rows[0]["job"])
-        ax.set_xlabel(x_label)
-        ax.set_ylabel("held-out accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=100)
-        plt.close(fig)
+    return JobBars({spec.job.name: spec.job.rounds for spec in experiment.jobs})

@@ -130,25 +130,34 @@ def job_info(job: JobRecord, rounds: Sequence[RoundRecord] | None = None) -> pb.
         task=spec.job.task,
         created_at=job.created_at,
         spec_json=job.spec_json,
+        updated_at=job.updated_at,
     )
-    for r in rounds or ():
-        info.rounds.append(
-            pb.RoundInfo(
-                round=r.round,
-                metrics=r.metrics,
-                participants=[p.device_id for p in r.participants],
-                started_at=r.started_at,
-                committed_at=r.committed_at,
-                checkpoint_sha256=r.checkpoint_sha256,
-                devices=[
-                    pb.Participation(
-                        device_id=p.device_id, num_samples=p.num_samples, metrics=p.metrics
-                    )
-                    for p in r.participants
-                ],
-            )
-        )
+    info.rounds.extend(round_info(r) for r in rounds or ())
     return info
+
+
+def round_info(r: RoundRecord) -> pb.RoundInfo:
+    account = r.account
+    return pb.RoundInfo(
+        round=r.round,
+        metrics=r.metrics,
+        participants=[p.device_id for p in r.participants],
+        started_at=r.started_at,
+        committed_at=r.committed_at,
+        checkpoint_sha256=r.checkpoint_sha256,
+        devices=[
+            pb.Participation(device_id=p.device_id, num_samples=p.num_samples, metrics=p.metrics)
+            for p in r.participants
+        ],
+        selected=list(account.selected),
+        failures=[
+            pb.RoundFailure(device_id=f.device_id, reason=f.reason) for f in account.failures
+        ],
+        stale=list(account.stale),
+        bytes_up=account.bytes_up,
+        bytes_down=account.bytes_down,
+        decisions=list(account.decisions),
+    )
 
 
 def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
@@ -185,6 +194,7 @@ __all__ = [
     "job_info",
     "profile_from_pb",
     "report_from_pb",
+    "round_info",
     "round_ref",
     "update_payload",
     "volunteer_run_to_pb",
