@@ -120,13 +120,14 @@ def test_every_page_is_built(site: Path) -> None:
 def test_no_page_loads_anything_from_another_host(site: Path) -> None:
     remote: list[str] = []
     for page in site.rglob("*.html"):
+        name, html = page.relative_to(site), page.read_text(encoding="utf-8")
         parser = _Assets()
-        parser.feed(page.read_text(encoding="utf-8"))
-        remote += [f"{page.relative_to(site)}: {u}" for u in parser.urls if REMOTE.match(u)]
-        remote += [f"{page.relative_to(site)}: style" for s in parser.styles if CSS_REMOTE.search(s)]
+        parser.feed(html)
+        remote += [f"{name}: {u}" for u in parser.urls if REMOTE.match(u)]
+        remote += [f"{name}: inline style" for s in parser.styles if CSS_REMOTE.search(s)]
         # Material's bundle fetches mermaid from a CDN when a page has a diagram.
-        if 'class="mermaid"' in page.read_text(encoding="utf-8"):
-            remote.append(f"{page.relative_to(site)}: a mermaid diagram (loads unpkg.com)")
+        if 'class="mermaid"' in html:
+            remote.append(f"{name}: a mermaid diagram (loads unpkg.com)")
     for sheet in site.rglob("*.css"):
         if CSS_REMOTE.search(sheet.read_text(encoding="utf-8")):
             remote.append(f"{sheet.relative_to(site)}: remote url() or @import")

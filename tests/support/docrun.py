@@ -16,6 +16,7 @@ life (``tests.support.lifetime``), for when pytest itself is killed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -160,8 +161,6 @@ def _wait(
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the shell's whole process group (its background jobs too), then reap it."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait(10)
