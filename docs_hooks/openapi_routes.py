@@ -8,8 +8,9 @@ and who may call it.
 
 Who may call it is read from the document: an operation's ``security`` (or the
 document's), where ``[]`` or an empty requirement means no token; the roles listed in a
-requirement (``{"bearer": ["operator"]}``), or an ``x-flotilla-scope`` of ``operator`` or
-``read``, say which token. While ``flotilla.server.http.openapi`` does not exist, the marker
+requirement (``{"bearer": ["operator"]}``), a ``403`` response (a token that is valid but
+not enough: a read token), or an ``x-flotilla-scope`` of ``operator`` or ``read``, say
+which token. While ``flotilla.server.http.openapi`` does not exist, the marker
 is left as it is and the build goes on; any other import error fails the build.
 """
 
@@ -57,7 +58,7 @@ def auth_of(operation: Mapping[str, Any], document: Document) -> str:
         return "none"
     roles = {role for requirement in requirements for values in requirement.values()
              for role in values}  # fmt: skip
-    if roles == {"operator"}:
+    if roles == {"operator"} or "403" in operation.get("responses", {}):
         return "operator token"
     return "operator or read token"
 

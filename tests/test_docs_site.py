@@ -176,6 +176,10 @@ FAKE: dict[str, Any] = {
             },
         },
         "/api/v1/jobs/{id}/cancel": {"post": {"summary": "Cancel", "x-flotilla-scope": "operator"}},
+        "/api/v1/jobs/{id}/model": {
+            "get": {"summary": "Export", "responses": {"401": {}, "404": {}}},
+            "delete": {"summary": "Drop", "responses": {"401": {}, "403": {}}},
+        },
     },
 }
 
@@ -187,6 +191,8 @@ def test_the_hook_renders_one_row_per_operation_with_its_token() -> None:
         ("GET", "/api/v1/jobs", "List jobs | with metrics", "operator or read token"),
         ("POST", "/api/v1/jobs", "Submit a job.", "operator token"),
         ("POST", "/api/v1/jobs/{id}/cancel", "Cancel", "operator token"),
+        ("GET", "/api/v1/jobs/{id}/model", "Export", "operator or read token"),
+        ("DELETE", "/api/v1/jobs/{id}/model", "Drop", "operator token"),
     ]
     table = hook.render_table(FAKE)
     assert "| `GET` | `/api/v1/jobs` | List jobs \\| with metrics | operator or read token |" in (
