@@ -29,8 +29,8 @@ test: torch
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint:
-	$(VENV)/bin/ruff check flotilla tests benchmarks
-	$(VENV)/bin/ruff format --check flotilla tests benchmarks
+	$(VENV)/bin/ruff check flotilla tests benchmarks docs_hooks
+	$(VENV)/bin/ruff format --check flotilla tests benchmarks docs_hooks
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 
