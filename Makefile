@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 # wall time on two cores; hivemind swarms stay on one worker (xdist_group "hivemind").
 TEST_WORKERS ?= 2
 
-.PHONY: demo test lint bench proto clean venv torch
+.PHONY: demo test lint bench proto clean venv torch docs
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -29,8 +29,8 @@ test: torch
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint:
-	$(VENV)/bin/ruff check flotilla tests benchmarks
-	$(VENV)/bin/ruff format --check flotilla tests benchmarks
+	$(VENV)/bin/ruff check flotilla tests benchmarks docs_hooks
+	$(VENV)/bin/ruff format --check flotilla tests benchmarks docs_hooks
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 
@@ -41,8 +41,14 @@ bench:
 	$(PY) benchmarks/simulation.py --quick
 	$(PY) benchmarks/scheduling.py --quick
 
+# The docs site into site/: --strict fails on any broken link or anchor, and nothing is
+# fetched (no web fonts, no CDN). Installs the docs and server extras only when missing.
+docs: $(PY)
+	@$(PY) -c "import mkdocs, material, aiohttp" 2>/dev/null || $(PIP) install -q -e ".[server,docs]"
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR) $(PY) -m mkdocs build --strict
+
 proto:
 	$(PY) -m flotilla.proto.generate
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .mypy_cache .ruff_cache
