@@ -94,7 +94,7 @@ def demo_server_config(state_dir: Path) -> ServerConfig:
     the demo's server is configured."""
     from flotilla.server.app import ServerConfig
 
-    return ServerConfig(port=0, state_dir=state_dir)
+    return ServerConfig(port=0, state_dir=state_dir, http_port=0)
 
 
 def dashboard_url(state_dir: Path) -> str | None:
