@@ -1,6 +1,7 @@
 """Shared types every other part speaks. Imports nothing else of Flotilla, and no torch.
 
 - ``errors``: the :class:`FlotillaError` tree.
+- ``access``: :class:`Scope`, what a token allows (operator or read).
 - ``spec``: :class:`JobSpec` from TOML, unknown fields refused by name.
 - ``jobfile``: job files (one job, or ``[[jobs]]``), as ``flotilla job submit`` reads them.
 - ``tensors``: model states and the safe safetensors wire format.

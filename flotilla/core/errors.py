@@ -9,6 +9,7 @@
     ├── UpdateRejected       a well-formed update that must not be aggregated
     │   └── StaleRoundError  the update is for a round that is no longer open
     ├── AuthError            missing or wrong credentials
+    │   └── ForbiddenError   right credentials, but not allowed to do this (a read token)
     ├── NotFoundError        an unknown job, device or blob
     ├── Unreachable          the server is away, busy or too slow: worth trying again
     ├── TaskLoadError        a task entry point cannot be imported
@@ -51,6 +52,10 @@ class StaleRoundError(UpdateRejected):
 
 class AuthError(FlotillaError):
     """Missing, malformed or wrong credentials."""
+
+
+class ForbiddenError(AuthError):
+    """Valid credentials that do not allow the call (a read-only token on a write)."""
 
 
 class NotFoundError(FlotillaError, KeyError):
