@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,18 +42,6 @@ _ROW_KEYS = frozenset(
         "stale", "bytes_up", "bytes_down", "decisions", "participants", "dropouts",
     }
 )  # fmt: skip
-#: How many device-count samples the history keeps (oldest dropped first).
-HISTORY_SAMPLES = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class CountSample:
-    """Devices by state at one moment (simulated seconds)."""
-
-    t: float
-    idle: int
-    busy: int
-    offline: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +88,9 @@ class _Device:
 class _Run:
     """What the files have said so far; ``apply`` folds in one poll and says what changed."""
 
-    def __init__(self, history: int) -> None:
+    def __init__(self) -> None:
         self.jobs: dict[str, _Job] = {}
         self.devices: dict[str, _Device] = {}
-        self.history: deque[CountSample] = deque(maxlen=history)
         self.ended = False
         self._by_name: dict[str, str] = {}
         self._served: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -172,7 +159,6 @@ class _Run:
                 row = job.waiting.pop(0)
                 job.shown.append(row)
                 changes.add(Change("job", job.id))
-                self._sample(float(row.get("simulated_time", 0.0)))
         return changes
 
     def _complete(self, job: _Job, row: dict[str, Any]) -> bool:
@@ -187,9 +173,6 @@ class _Run:
             final = finals.get(job.name) if isinstance(finals, dict) else None
             job.final_state = str(final.get("state", "")) if isinstance(final, dict) else ""
             changes.add(Change("job", job.id))
-        if self.ended:
-            last = self.history[-1].t if self.history else 0.0
-            self.history.append(CountSample(last, 0, 0, len(self.devices)))
         return changes
 
     def busy(self) -> dict[str, str]:
@@ -201,10 +184,6 @@ class _Run:
             if job.shown and job.state(self.ended) == "running":
                 out.update((str(d), job.id) for d in job.shown[-1].get("selected", ()))
         return out
-
-    def _sample(self, t: float) -> None:
-        busy = len(self.busy())
-        self.history.append(CountSample(t, len(self.devices) - busy, busy, 0))
 
     def participants(self, job: _Job, round_: int) -> Sequence[dict[str, Any]]:
         return self._served.get((job.name, round_), ())
@@ -219,7 +198,6 @@ class SimulationSource:
         directory: Path,
         *,
         poll_s: float = 0.5,
-        history: int = HISTORY_SAMPLES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.directory = directory
@@ -229,8 +207,7 @@ class SimulationSource:
         self._metrics = JsonlTail(directory / "metrics.jsonl")
         self._participation = JsonlTail(directory / "participation.jsonl")
         self._summary = JsonFile(directory / "summary.json")
-        self._history = history
-        self._run = _Run(history)
+        self._run = _Run()
         self._lock = asyncio.Lock()
         self._read_at: float | None = None
         self._subscribers: set[_Subscriber] = set()
@@ -259,7 +236,7 @@ class SimulationSource:
     def _restart(self) -> set[Change]:
         """A new run rewrote the files: forget the old one and read everything again."""
         changes = {Change("job", j) for j in self._run.jobs} | {Change("devices")}
-        self._run = _Run(self._history)
+        self._run = _Run()
         for followed in (self._jobs_file, self._metrics, self._participation, self._summary):
             followed.restart()
         return changes
@@ -338,10 +315,6 @@ class SimulationSource:
             )
             for device_id, device in sorted(run.devices.items())
         ]
-
-    async def device_history(self) -> Sequence[CountSample]:
-        await self.refresh()
-        return list(self._run.history)
 
     async def volunteer_runs(self) -> Sequence[VolunteerRunView]:
         return []  # a simulation has no volunteer runs
