@@ -1,5 +1,5 @@
-// Building the page without innerHTML: every string from the server lands in a text node
-// or an attribute set through the DOM, so none of it is ever parsed as markup.
+// Building the page from elements, never from markup strings: every string from the
+// server lands in a text node or an attribute set through the DOM, never parsed as markup.
 
 const SVG_NS = "http://www.w3.org/2000/svg";
 
