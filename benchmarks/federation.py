@@ -319,7 +319,7 @@ async def run_federation(
     server = Process(
         [
             sys.executable, "-m", "flotilla", "server", "--host", "127.0.0.1",
-            "--port", "0", "--state-dir", str(state), *server_args,
+            "--port", "0", "--no-http", "--state-dir", str(state), *server_args,
         ],
         workdir / "server.log",
     )  # fmt: skip

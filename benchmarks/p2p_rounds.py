@@ -61,7 +61,7 @@ def run_job(work: Path, transport: str, codec: str, agents: int, rounds: int) ->
     log = (work / f"{transport}-{codec}-server.log").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "flotilla", "server", "--host", "127.0.0.1", "--port", "0",
-         "--state-dir", str(state), "--liveness", "10"],
+         "--no-http", "--state-dir", str(state), "--liveness", "10"],
         stdout=subprocess.PIPE, stderr=log, text=True, env=env,
     )  # fmt: skip
     fleet: list[subprocess.Popen[bytes]] = []

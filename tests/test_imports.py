@@ -34,6 +34,10 @@ HEAVY_CHECKS = {
         "flotilla.p2p", "hivemind",
     ),
     "flotilla.server.app": ("flotilla.p2p", "hivemind", "flotilla.cli"),
+    # The docs site renders the OpenAPI document without the server's stack.
+    "flotilla.server.http.openapi": ("aiohttp", "sqlalchemy", "grpc", "torch"),
+    # The HTTP edge sits beside the gRPC edge, never on it.
+    "flotilla.server.http.edge": ("grpc", "flotilla.proto", "flotilla.server.grpc"),
     "flotilla.engine": ("flotilla.server", "flotilla.client", "torch", "sqlalchemy", "grpc"),
     "flotilla.aggregation": ("flotilla.server", "flotilla.client", "torch", "grpc"),
     "flotilla.scheduling": ("flotilla.server", "flotilla.client", "torch", "grpc"),

@@ -198,7 +198,7 @@ async def test_the_server_wires_its_metrics_and_the_sinks_it_was_given(tmp_path:
         def emit(self, event: Event) -> None:
             heard.append(event)
 
-    server = FederationServer(ServerConfig(state_dir=tmp_path / "state"))
+    server = FederationServer(ServerConfig(state_dir=tmp_path / "state", http_port=None))
     server.add_sink(Listener())
     await server.start()
     try:

@@ -190,13 +190,24 @@ def _server_parser(commands: Any) -> None:
         "--p2p-announce-maddrs", nargs="+", default=None, metavar="MADDR",
         help="the addresses those peers announce (behind NAT or a proxy)",
     )  # fmt: skip
+    http = server.add_mutually_exclusive_group()
+    http.add_argument(
+        "--http-port", type=int, default=7071,
+        help="the HTTP API, /metrics and the dashboard (default 7071; 0 picks a free port)",
+    )  # fmt: skip
+    http.add_argument("--no-http", action="store_true", help="no HTTP API or dashboard")
+    server.add_argument("--http-host", default=None, help="default: the --host")
     server.set_defaults(handler=_serve)
     sub = server.add_subparsers(title="server commands", metavar="SUBCOMMAND")
-    token = sub.add_parser("token", help="manage enrolment tokens")
+    token = sub.add_parser("token", help="manage enrolment and read tokens")
     token_sub = token.add_subparsers(title="token commands", metavar="ACTION")
     create = token_sub.add_parser("create", help="mint an enrolment token (printed last)")
     create.add_argument("--state-dir", type=Path, default=Path("flotilla-state"))
     create.add_argument("--db", default=None, help="database URL (default: the server's)")
+    create.add_argument(
+        "--read-only", action="store_true",
+        help="mint a read token for the HTTP API and dashboard instead (it cannot enrol)",
+    )  # fmt: skip
     create.set_defaults(handler=_token_create)
 
 
@@ -221,11 +232,15 @@ def _serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         timeouts=Timeouts(liveness_s=args.liveness),
+        http_port=None if args.no_http else args.http_port,
+        http_host=args.http_host,
     )
 
     async def serve() -> int:
         server = FederationServer(config)
         port = await server.start()
+        if server.dashboard_url:  # before "listening on", which scripts wait for
+            print(f"dashboard: {server.dashboard_url}", flush=True)
         print(f"flotilla server listening on {args.host}:{port}", flush=True)
         for run in server.volunteers.infos():
             print(f"volunteer run {run.run}: {' '.join(run.maddrs)}", flush=True)
@@ -239,9 +254,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _token_create(args: argparse.Namespace) -> int:
-    from flotilla.server.federation.tokens import create_enrol_token
+    from flotilla.server.federation.tokens import create_enrol_token, create_read_token
 
-    print(asyncio.run(create_enrol_token(args.state_dir, args.db)))
+    mint = create_read_token if args.read_only else create_enrol_token
+    print(asyncio.run(mint(args.state_dir, args.db)))
     return 0
 
 

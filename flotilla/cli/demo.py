@@ -94,7 +94,7 @@ async def _federate(state: Path, agents: int, rounds: int, jobs: int, quiet: boo
     from flotilla.server.process import single_threaded_blas
 
     single_threaded_blas()  # this process is the demo's server
-    server = FederationServer(ServerConfig(port=0, state_dir=state))
+    server = FederationServer(ServerConfig(port=0, state_dir=state, http_port=0))
     port = await server.start()
     token = auth.new_secret()
     await server.store.add_enrol_token(auth.hash_secret(token))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.core.errors import SpecError
-from flotilla.core.spec import JobSpec, apply_override, read_toml
+from flotilla.core.spec import JobSpec, apply_override, parse_toml, read_toml
 
 #: Top-level tables of an experiment file that describe the simulated fleet, not a job.
 SIMULATOR_TABLES = ("population", "simulation")
@@ -38,6 +38,19 @@ def load_job_specs(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Job
     for item in overrides:
         apply_override(raw, item, str(path))
     return job_specs_from_dict(raw, str(path))
+
+
+def job_specs_from_text(text: str, source: str, job: str | None = None) -> tuple[JobSpec, ...]:
+    """The jobs of a job file's text (an HTTP request's body), read as :func:`load_job_specs`
+    reads a file; with ``job``, only the job of that name (``job submit --job NAME``)."""
+    specs = job_specs_from_dict(parse_toml(text, source), source)
+    if job is None:
+        return specs
+    picked = tuple(s for s in specs if s.job.name == job)
+    if not picked:
+        names = ", ".join(s.job.name for s in specs)
+        raise SpecError(f"{source}: no job named {job!r} (its jobs: {names})")
+    return picked
 
 
 def job_specs_from_dict(raw: Mapping[str, Any], source: str) -> tuple[JobSpec, ...]:

@@ -230,11 +230,18 @@ def _check_job(spec: JobSpec) -> None:
 def read_toml(path: Path) -> dict[str, Any]:
     """A TOML file's tables; a missing or malformed file is a :class:`SpecError`."""
     try:
-        data: dict[str, Any] = tomllib.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError as exc:
         raise SpecError(f"{path}: no such file") from exc
+    return parse_toml(text, str(path))
+
+
+def parse_toml(text: str, source: str) -> dict[str, Any]:
+    """TOML text's tables (a file's, or a request body's); malformed: a :class:`SpecError`."""
+    try:
+        data: dict[str, Any] = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"{path}: not valid TOML: {exc}") from exc
+        raise SpecError(f"{source}: not valid TOML: {exc}") from exc
     return data
 
 

@@ -1,8 +1,9 @@
 """The composition root: a store, the federation core, its gRPC edge, the reaper and the
 hivemind peers the server hosts, started and stopped together.
 
-Everything a device or operator does goes through :class:`Federation`; an HTTP edge
-would be built here beside :class:`GrpcEdge`, over the same federation.
+Everything a device or operator does goes through :class:`Federation`; the gRPC edge
+(:class:`GrpcEdge`) and the HTTP edge (:class:`HttpEdge`: the JSON API, ``/metrics`` and the
+dashboard) are built here over the same federation, on the same event loop.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from flotilla.server.federation.store import Store, default_url
 from flotilla.server.grpc.edge import GrpcEdge, GrpcSettings
 from flotilla.server.hosting.rendezvous import HostedRendezvous
 from flotilla.server.hosting.volunteers import VolunteerHost, VolunteerRunSpec
+from flotilla.server.http.edge import HttpEdge, HttpSettings
+from flotilla.server.http.feed import LiveFeed
 from flotilla.server.memory import release_free_memory
 from flotilla.server.metrics import PrometheusMetrics
 from flotilla.tasks.runtime import LocalTasks
@@ -61,6 +64,10 @@ class ServerConfig:
     #: server-less rounds) listen, and the addresses they announce; loopback by default.
     p2p_host_maddrs: tuple[str, ...] | None = None
     p2p_announce_maddrs: tuple[str, ...] | None = None
+    #: The HTTP edge (JSON API, ``/metrics``, dashboard): its port (0 picks a free one;
+    #: None turns it off) and host (None: the gRPC ``host``).
+    http_port: int | None = 7071
+    http_host: str | None = None
 
     def federation(self) -> FederationConfig:
         return FederationConfig(
@@ -82,18 +89,32 @@ class ServerConfig:
             idle_s=self.timeouts.upload_idle_s,
         )
 
+    def http(self) -> HttpSettings | None:
+        """The HTTP edge's settings; None when it is off. It serves HTTPS with the gRPC
+        edge's certificate when there is one."""
+        if self.http_port is None:
+            return None
+        return HttpSettings(
+            host=self.http_host or self.host,
+            port=self.http_port,
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
+            stop_grace_s=self.timeouts.server_stop_s,
+        )
+
 
 class FederationServer:
     """Owns every long-lived part; ``start`` resumes the jobs a previous run left running.
 
-    The federation's events go to :attr:`metrics` (Prometheus, served at ``/metrics``) and
-    to every sink in ``sinks`` or added with :meth:`add_sink` before :meth:`start` (the
-    dashboard's live feed)."""
+    The federation's events go to :attr:`metrics` (Prometheus, served at ``/metrics``), to
+    :attr:`feed` (the dashboard's live changes) and to every sink in ``sinks`` or added with
+    :meth:`add_sink` before :meth:`start`."""
 
     def __init__(self, config: ServerConfig, sinks: tuple[EventSink, ...] = ()) -> None:
         self.config = config
         self.metrics = PrometheusMetrics()
-        self._sinks: list[EventSink] = [self.metrics, *sinks]
+        self.feed = LiveFeed()
+        self._sinks: list[EventSink] = [self.metrics, self.feed, *sinks]
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.upload_budget = ByteBudget(config.upload_budget_bytes)
@@ -112,7 +133,11 @@ class FederationServer:
         self.store: Store
         self.federation: Federation
         self.port = 0
+        #: The HTTP edge's port once started; None when it is off.
+        self.http_port: int | None = None
         self._edge: GrpcEdge | None = None
+        self._http: HttpEdge | None = None
+        self._ready = False
         self._reaper: asyncio.Task[None] | None = None
 
     def add_sink(self, sink: EventSink) -> None:
@@ -139,17 +164,49 @@ class FederationServer:
         self.metrics.watch_devices(self.federation.device_counts)
         self._edge = GrpcEdge(self.federation, self.config.grpc())
         self.port = await self._edge.start()
-        state = {"host": self.config.host, "port": self.port, "db_url": self.db_url}
+        http = self.config.http()
+        if http is not None:
+            await self._start_http(http)
+        state = {
+            "host": self.config.host,
+            "port": self.port,
+            "db_url": self.db_url,
+            "http_host": http.host if http else None,
+            "http_port": self.http_port,
+        }
         (self.state_dir / STATE_FILE).write_text(json.dumps(state))
         self._reaper = asyncio.ensure_future(self._reap())
         await self.federation.start()
         await self.volunteers.start()
+        self._ready = True
         log.info("listening on %s:%d", self.config.host, self.port)
+        if self._http is not None:
+            log.info("dashboard: %s", self._http.url)
         return self.port
+
+    @property
+    def dashboard_url(self) -> str | None:
+        """``http://HOST:PORT/`` of the HTTP edge (the dashboard); None when it is off."""
+        return self._http.url if self._http is not None else None
+
+    async def _start_http(self, settings: HttpSettings) -> None:
+        self._http = HttpEdge(
+            self.federation, self.metrics, self.feed, settings, lambda: self._ready
+        )
+        try:
+            self.http_port = await self._http.start()
+        except BaseException:
+            assert self._edge is not None
+            await self._edge.stop(0)
+            await self.store.close()
+            raise
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop everything; calls in flight get ``grace_s`` (default
         ``Timeouts.server_stop_s``) to finish."""
+        self._ready = False
+        if self._http is not None:  # first: no API call reaches a closing federation
+            await self._http.stop()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -330,6 +330,7 @@ async def live_server(
             await store.close()
     config.setdefault("timeouts", Timeouts(liveness_s=30.0, poll_hold_s=5.0))
     config.setdefault("engine", EngineConfig(selection_grace_s=0.2))
+    config.setdefault("http_port", None)  # the HTTP edge's tests ask for it (port 0)
     server = FederationServer(
         ServerConfig(
             host="127.0.0.1",

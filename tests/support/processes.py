@@ -44,6 +44,8 @@ class ServerProcess:
     db_url: str | None = None
     port: int = 0
     extra: tuple[str, ...] = ("--liveness", "6")
+    #: The HTTP edge's port, read from the server's ``dashboard:`` line (always a free one).
+    http_port: int = 0
     proc: subprocess.Popen[str] | None = None
     log: Path = field(init=False)
 
@@ -57,7 +59,7 @@ class ServerProcess:
     def start(self, timeout: float = 30.0) -> None:
         cmd = [
             sys.executable, "-m", "flotilla", "server",
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", "127.0.0.1", "--port", str(self.port), "--http-port", "0",
             "--state-dir", str(self.state_dir), *self.extra,
         ]  # fmt: skip
         if self.db_url:
@@ -68,6 +70,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
+            if found := re.search(r"dashboard: https?://127\.0\.0\.1:(\d+)/", line):
+                self.http_port = int(found.group(1))
             if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
                 self.port = int(match.group(1))
                 return

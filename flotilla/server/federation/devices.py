@@ -106,11 +106,11 @@ class Devices:
         out = []
         for record in await self._store.list_devices():
             view = views.get(record.id)
-            selected = {
-                job: rec.selected
+            records = [
+                (job, rec)
                 for job, devices in history.records.items()
                 if (rec := devices.get(record.id)) is not None
-            }
+            ]
             profile = stored_profile(record)
             out.append(
                 DeviceInfo(
@@ -122,7 +122,8 @@ class Devices:
                     gflops=profile.gflops,
                     upload_bytes_per_s=profile.upload_bytes_per_s,
                     last_seen=view.last_seen if view else 0.0,
-                    selected=selected,
+                    selected={job: rec.selected for job, rec in records},
+                    delivered={job: rec.delivered for job, rec in records},
                 )
             )
         return out

@@ -16,12 +16,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Se
 from dataclasses import dataclass
 from pathlib import Path
 
+from flotilla.core.access import Scope
 from flotilla.core.blobs import CHUNK_BYTES
 from flotilla.core.blobstore import BlobStore
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError
 from flotilla.core.events import BytesSent, DeviceChanged, EventSink, Fanout, PollAnswered
-from flotilla.core.records import DeviceRecord, JobRecord
+from flotilla.core.records import DeviceRecord, JobRecord, RoundRecord
 from flotilla.core.timeouts import Timeouts
 from flotilla.core.work import DeviceCredential, ReportVerdict, Reservation, RoundRef, UploadHeader
 from flotilla.engine import EngineConfig, EngineServices, TaskRuntime
@@ -95,6 +96,9 @@ class Federation:
         )
         self._jobs = Jobs(services, store, tasks, config.state_dir)
         self._download_slots = asyncio.Semaphore(config.download_slots)
+        #: Operator-API tokens seen valid, as (hash, scope): tokens are never revoked, so a
+        #: request costs no query once its token has been seen.
+        self._known_tokens: list[tuple[str, Scope]] = []
 
     async def start(self) -> None:
         """Resume the jobs a previous run left unfinished."""
@@ -123,6 +127,29 @@ class Federation:
     async def authenticate_operator(self, token: str | None) -> None:
         if not token or not await self._store.has_operator_token(auth.hash_secret(token)):
             raise AuthError("operator token refused")
+
+    async def authenticate(self, token: str | None) -> Scope:
+        """What an operator-API token (the HTTP edge's bearer) may do: ``OPERATOR`` or
+        ``READ``. Enrolment tokens and device credentials are not operator-API tokens."""
+        if not token:
+            raise AuthError(
+                "this route needs a token: send 'Authorization: Bearer TOKEN' with the "
+                "operator token (STATE_DIR/operator.token) or a read token "
+                "('flotilla server token create --read-only')"
+            )
+        granted = None
+        for known_hash, scope in self._known_tokens:  # each compared in constant time
+            if auth.matches(token, known_hash):
+                granted = scope
+        if granted is not None:
+            return granted
+        digest = auth.hash_secret(token)
+        stored = await self._store.token_scope(digest)
+        if stored is None:
+            raise AuthError("token refused: it is neither the operator token nor a read token")
+        scope = Scope(stored)
+        self._known_tokens.append((digest, scope))
+        return scope
 
     # --- a device's side -----------------------------------------------------------------
 
@@ -199,6 +226,11 @@ class Federation:
         job = await self._jobs.get(job_id)
         rounds = tuple(await self._store.list_rounds(job.id)) if with_rounds else None
         return JobDetail(job, rounds)
+
+    async def list_rounds(self, job_id: str, after: int = 0) -> list[RoundRecord]:
+        """A job's committed rounds numbered above ``after``, oldest first."""
+        job = await self._jobs.get(job_id)
+        return await self._store.list_rounds(job.id, after)
 
     async def cancel_job(self, job_id: str) -> JobRecord:
         return await self._jobs.cancel_job(job_id)

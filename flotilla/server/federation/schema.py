@@ -63,10 +63,13 @@ class EnrolTokenRow(Base):
 
 
 class OperatorTokenRow(Base):
+    """A token of the operator APIs; ``scope`` is ``operator`` (everything) or ``read``."""
+
     __tablename__ = "operator_tokens"
 
     token_hash: Mapped[str] = mapped_column(String(256), primary_key=True)
     created_at: Mapped[float] = mapped_column(Double)
+    scope: Mapped[str] = mapped_column(String(16), default="operator", server_default="operator")
 
 
 class CheckpointRow(Base):

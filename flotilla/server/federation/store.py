@@ -257,15 +257,26 @@ class Store:
         async with self._read() as s:
             return await s.get(EnrolTokenRow, token_hash) is not None
 
-    async def add_operator_token(self, token_hash: str) -> None:
+    async def add_operator_token(self, token_hash: str, scope: str = "operator") -> None:
+        """Store a token of the operator APIs; ``scope``: ``operator`` or ``read``."""
+        if scope not in ("operator", "read"):
+            raise ValueError(f"token scope must be operator or read, got {scope!r}")
         async with self._write.begin() as s:
             await s.execute(
-                self._insert_ignore(OperatorTokenRow, token_hash=token_hash, created_at=time.time())
+                self._insert_ignore(
+                    OperatorTokenRow, token_hash=token_hash, created_at=time.time(), scope=scope
+                )
             )
 
     async def has_operator_token(self, token_hash: str) -> bool:
+        """Whether the hash is of a token with the operator's (full) scope."""
+        return await self.token_scope(token_hash) == "operator"
+
+    async def token_scope(self, token_hash: str) -> str | None:
+        """The scope of an operator-API token (``operator`` or ``read``); None if unknown."""
         async with self._read() as s:
-            return await s.get(OperatorTokenRow, token_hash) is not None
+            row = await s.get(OperatorTokenRow, token_hash)
+            return None if row is None else row.scope
 
     # -- devices ---------------------------------------------------------------------------
 
@@ -470,17 +481,20 @@ class Store:
             # A duplicate round or participant that slipped past the checks above.
             raise RoundConflict(f"{where} refused by the database: {exc.orig}") from exc
 
-    async def list_rounds(self, job_id: str) -> list[RoundRecord]:
-        """Committed rounds of a job in order, each with its participants."""
+    async def list_rounds(self, job_id: str, after: int = 0) -> list[RoundRecord]:
+        """Committed rounds of a job in order, each with its participants; with ``after``,
+        only those numbered above it (what a reader that has the rest fetches)."""
         async with self._read() as s:
             rounds = (
                 await s.scalars(
-                    select(RoundRow).where(RoundRow.job_id == job_id).order_by(RoundRow.round)
+                    select(RoundRow)
+                    .where(RoundRow.job_id == job_id, RoundRow.round > after)
+                    .order_by(RoundRow.round)
                 )
             ).all()
             parts = await s.scalars(
                 select(ParticipationRow)
-                .where(ParticipationRow.job_id == job_id)
+                .where(ParticipationRow.job_id == job_id, ParticipationRow.round > after)
                 .order_by(ParticipationRow.round, ParticipationRow.device_id)
             )
             by_round: dict[int, list[ParticipationRecord]] = {}

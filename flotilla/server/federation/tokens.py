@@ -1,4 +1,6 @@
-"""Minting enrolment tokens from the command line, straight into the server's database."""
+"""Minting tokens from the command line, straight into the server's database: enrolment
+tokens (a device joins with one) and read tokens (the HTTP API's read routes, the
+dashboard). Neither does the other's job."""
 
 from __future__ import annotations
 
@@ -11,6 +13,16 @@ from flotilla.server.federation.store import Store, default_url
 
 async def create_enrol_token(state_dir: Path, db_url: str | None = None) -> str:
     """A new enrolment token; only its hash is stored. The server need not be running."""
+    return await _mint(state_dir, db_url, read_only=False)
+
+
+async def create_read_token(state_dir: Path, db_url: str | None = None) -> str:
+    """A new read-only token of the operator APIs (the HTTP API's read routes and
+    ``/metrics``); only its hash is stored, with its scope."""
+    return await _mint(state_dir, db_url, read_only=True)
+
+
+async def _mint(state_dir: Path, db_url: str | None, read_only: bool) -> str:
     if db_url is None:
         state_file = Path(state_dir) / "server.json"
         if state_file.exists():
@@ -19,7 +31,10 @@ async def create_enrol_token(state_dir: Path, db_url: str | None = None) -> str:
     store = await Store.open(db_url or default_url(Path(state_dir)))
     try:
         token = auth.new_secret()
-        await store.add_enrol_token(auth.hash_secret(token))
+        if read_only:
+            await store.add_operator_token(auth.hash_secret(token), scope="read")
+        else:
+            await store.add_enrol_token(auth.hash_secret(token))
     finally:
         await store.close()
     return token

@@ -30,6 +30,8 @@ class DeviceInfo:
     last_seen: float
     #: Job id -> rounds this device was selected for.
     selected: Mapping[str, int] = field(default_factory=dict)
+    #: Job id -> rounds this device delivered an update to.
+    delivered: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
