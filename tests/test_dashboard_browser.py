@@ -7,6 +7,7 @@ the console stays clean, and it fits a phone. Screenshots: ``test-artifacts/dash
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import re
 import subprocess
@@ -23,6 +24,7 @@ from tests.support.browser import (
     Console,
     chromium,
     count,
+    open_chromium,
     require_browser,
     screenshot,
     texts,
@@ -31,14 +33,23 @@ from tests.support.browser import (
 from tests.support.experiments import experiment_file
 from tests.support.lifetime import bound
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+pytestmark = pytest.mark.timeout(240)
 
 ACCURACY_POINTS = 'svg[data-chart="accuracy-round"] circle'
 
 
-@pytest.fixture(scope="module", autouse=True)
-def browser_present() -> None:
-    require_browser()
+def test_a_missing_browser_fails_under_ci_and_skips_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.support import browser
+
+    monkeypatch.setattr(browser, "_find", lambda *names: None)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        require_browser()
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="chromium"):
+        require_browser()
 
 
 def read_line(proc: subprocess.Popen[str], pattern: str, timeout: float) -> re.Match[str]:
@@ -104,9 +115,11 @@ def fits_a_phone(driver: Any) -> None:
     assert overflow <= 1, f"the page is {overflow}px wider than a phone screen"
 
 
+@pytest.mark.slow
 def test_a_simulation_is_watched_while_it_runs(
     tmp_path: Path, processes: list[subprocess.Popen[str]]
 ) -> None:
+    require_browser()
     out = tmp_path / "out"
     # The dashboard starts first: the directory does not exist yet.
     dashboard = start(processes, "dashboard", str(out), "--port", "0", "--poll", "0.2")
@@ -147,3 +160,125 @@ def test_a_simulation_is_watched_while_it_runs(
         fits_a_phone(driver)
         screenshot(driver, "simulation", "job-phone", full_page=True)
         assert console.errors() == [], console.entries
+
+
+# --- a live federation -------------------------------------------------------------------
+
+
+def sign_in_by_hand(driver: Any, base: str, read_token: str, job_id: str, console: Console) -> None:
+    """No token in the URL: the page asks for one, says so when it is refused, keeps a good
+    one for the tab, and shows a read token no Cancel button."""
+    driver.get(base + "/")
+    wait_for("the token form", lambda: driver.find_element("id", "token-panel").is_displayed(), 10)
+    field = driver.find_element("id", "token-input")
+    field.send_keys("not-a-token")
+    driver.find_element("css selector", "#token-form button").click()
+    wait_for(
+        "told it was refused",
+        lambda: "refused" in driver.find_element("id", "token-error").text,
+        10,
+    )
+    refused = console.errors()  # Chrome reports the 401 answer itself on the console
+    assert refused and all("401" in e["message"] for e in refused), refused
+    console.entries.clear()
+    field.send_keys(read_token)
+    driver.find_element("css selector", "#token-form button").click()
+    wait_for("the job is listed", lambda: "watched" in texts(driver, "tbody td a"), 30)
+    assert driver.execute_script("return sessionStorage.getItem('flotilla.token')") == read_token
+    assert "read-only" in driver.find_element("id", "whoami").text
+    driver.execute_script("location.hash = arguments[0]", f"#/jobs/{job_id}")
+    wait_for("the job's page", lambda: count(driver, ".job-head"), 10)
+    assert not driver.find_elements("id", "cancel-job")  # a read token cannot cancel
+
+
+def watch_the_job(driver: Any, url: str, job_id: str, agents: set[str]) -> None:
+    """The job appears, its accuracy curve grows without a reload, every agent is listed."""
+    driver.get(url)  # the operator's token now, in the fragment
+    wait_for("the token leaves the address bar", lambda: "token=" not in driver.current_url, 10)
+    wait_for(
+        "signed in as operator", lambda: "operator" in driver.find_element("id", "whoami").text, 10
+    )
+    no_reload_marker(driver)
+    wait_for("the job is listed", lambda: "watched" in texts(driver, "tbody td a"), 30)
+    screenshot(driver, "server", "jobs")
+    driver.execute_script("location.hash = arguments[0]", f"#/jobs/{job_id}")
+    first = wait_for("a first point", lambda: count(driver, ACCURACY_POINTS), 60)
+    later = wait_for(
+        "more points as rounds commit",
+        lambda: count(driver, ACCURACY_POINTS) > first and count(driver, ACCURACY_POINTS),
+        60,
+    )
+    assert later > first and not_reloaded(driver)
+    assert "running" in texts(driver, ".job-head .badge")
+    screenshot(driver, "server", "job-running", full_page=True)
+    driver.execute_script("location.hash = '#/devices'")
+    rows = wait_for(
+        "every agent in the device table",
+        lambda: (found := device_rows(driver)) and set(found) == agents and found,
+        30,
+    )
+    assert set(rows.values()) <= {"idle", "busy"}, rows
+    screenshot(driver, "server", "devices")
+    assert not_reloaded(driver)
+
+
+def device_rows(driver: Any) -> dict[str, str]:
+    """The device table: id -> the state shown."""
+    return dict(
+        driver.execute_script(
+            "return [...document.querySelectorAll('tbody tr[data-device]')]"
+            ".map(r => [r.cells[0].textContent, r.cells[1].textContent])"
+        )
+    )
+
+
+def cancel_from_the_page(driver: Any, job_id: str) -> None:
+    driver.execute_script("location.hash = arguments[0]", f"#/jobs/{job_id}")
+    button = wait_for("the Cancel button", lambda: driver.find_elements("id", "cancel-job"), 30)
+    button[0].click()
+    confirm = wait_for("asked to confirm", lambda: driver.find_elements("id", "confirm-cancel"), 10)
+    screenshot(driver, "server", "cancel-confirm")
+    confirm[0].click()
+
+
+def sees_it_cancelled(driver: Any) -> None:
+    wait_for("shown cancelled", lambda: "cancelled" in texts(driver, ".job-head .badge"), 30)
+    assert not driver.find_elements("id", "cancel-job")  # nothing left to cancel
+    assert not_reloaded(driver)
+    fits_a_phone(driver)
+    screenshot(driver, "server", "job-phone", full_page=True)
+
+
+@pytest.mark.slow
+async def test_a_live_federation_is_watched_and_its_job_cancelled(
+    tmp_path: Path, process_db_url: str
+) -> None:
+    require_browser()
+    from tests.support.http_server import http_server, quick_toml, wait_until
+
+    async with http_server(tmp_path / "state", process_db_url) as srv:
+        await srv.fleet.start_agents(3)
+        await srv.fleet.wait_devices(3, timeout=60)
+        agents = {d["id"] for d in await srv.fleet.devices()}
+        status, job = await srv.submit_toml(quick_toml("watched", rounds=200, clients=2))
+        assert status == 201, job
+        url = f"{srv.base}/#token={srv.operator_token}"
+        driver = await asyncio.to_thread(open_chromium)
+        try:
+            console = Console(driver)
+            await asyncio.to_thread(
+                sign_in_by_hand, driver, srv.base, srv.read_token, job["id"], console
+            )
+            await asyncio.to_thread(watch_the_job, driver, url, job["id"], agents)
+            await asyncio.to_thread(cancel_from_the_page, driver, job["id"])
+
+            async def cancelled() -> bool:
+                record = await srv.server.store.get_job(job["id"])
+                return record is not None and record.state == "cancelled"
+
+            await wait_until(cancelled, 30, "the job cancelled in the store")
+            await asyncio.to_thread(sees_it_cancelled, driver)
+            errors = await asyncio.to_thread(console.errors)
+            assert errors == [], console.entries
+        finally:
+            await asyncio.to_thread(driver.quit)

@@ -67,9 +67,9 @@ def test_a_built_wheel_carries_every_static_file(tmp_path: Path) -> None:
     )
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path / "dist"), str(src)],  # fmt: skip
+        [*pip, "-w", str(tmp_path / "dist"), str(src)],
         capture_output=True,
         text=True,
         timeout=100,

@@ -26,9 +26,11 @@ T = TypeVar("T")
 
 def _find(*names: str) -> str | None:
     for name in names:
-        found = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
+        found = shutil.which(name)
         if found:
             return found
+        if Path(f"/usr/bin/{name}").exists():  # PATH may be trimmed in a test's environment
+            return f"/usr/bin/{name}"
     return None
 
 
@@ -50,9 +52,9 @@ def require_browser() -> tuple[str, str]:
     pytest.skip(message)
 
 
-@contextmanager
-def chromium(width: int = 1280, height: int = 900) -> Iterator[Any]:
-    """A headless Chromium that keeps its console log; quit on the way out."""
+def open_chromium(width: int = 1280, height: int = 900) -> Any:
+    """A headless Chromium (a Selenium driver) that keeps its console log; the caller quits
+    it. Blocking: from a test whose event loop serves the page, call it in a thread."""
     binary, driver_path = require_browser()
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
@@ -74,6 +76,13 @@ def chromium(width: int = 1280, height: int = 900) -> Iterator[Any]:
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     driver.set_page_load_timeout(30)
     driver.set_script_timeout(30)
+    return driver
+
+
+@contextmanager
+def chromium(width: int = 1280, height: int = 900) -> Iterator[Any]:
+    """:func:`open_chromium`, quit on the way out."""
+    driver = open_chromium(width, height)
     try:
         yield driver
     finally:
@@ -126,7 +135,9 @@ def wait_for(what: str, check: Callable[[], T | None], timeout: float, every: fl
 
 
 def count(driver: Any, selector: str) -> int:
-    return int(driver.execute_script("return document.querySelectorAll(arguments[0]).length", selector))
+    return int(
+        driver.execute_script("return document.querySelectorAll(arguments[0]).length", selector)
+    )
 
 
 def texts(driver: Any, selector: str) -> list[str]:

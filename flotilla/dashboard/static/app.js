@@ -2,7 +2,7 @@
 // /api/v1 with it, follows /api/v1/events with a streaming fetch (EventSource cannot send an
 // Authorization header) and refetches only what changed. Hash routes, no reloads.
 
-import { replace } from "./dom.js";
+import { morph, replace } from "./dom.js";
 import { devicesView, jobsView, jobView, volunteersView } from "./views.js";
 
 const TOKEN_KEY = "flotilla.token";
@@ -47,11 +47,12 @@ function setLive(text, cls) {
 function takeFragmentToken() {
   const hash = location.hash.replace(/^#/, "");
   const match = hash.match(/(^|[&?])token=([^&]*)/);
-  if (!match) return;
+  if (!match) return false;
   sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(match[2]));
   state.token = sessionStorage.getItem(TOKEN_KEY);
   const rest = hash.replace(match[0], "").replace(/^[&?]/, "");
   history.replaceState(null, "", `${location.pathname}${location.search}#${rest || "/jobs"}`);
+  return true;
 }
 
 async function api(path, method = "GET") {
@@ -262,11 +263,13 @@ function route() {
 const actions = {
   filter(key, value) {
     state.filters[key] = value;
-    render(true);
+    render();
   },
   askCancel(id) {
     state.confirmCancel = id;
-    render(true);
+    render();
+    const next = document.getElementById(id ? "confirm-cancel" : "cancel-job");
+    if (next) next.focus();
   },
   async cancel(id) {
     state.confirmCancel = null;
@@ -277,31 +280,35 @@ const actions = {
   },
 };
 
-let deferred = false;
-
-function render(force) {
+function render() {
   const main = $("view");
-  const active = document.activeElement;
-  // Do not pull a list out from under someone choosing from it; draw when they leave it.
-  if (!force && active && main.contains(active) && active.tagName === "SELECT") {
-    deferred = true;
-    return;
-  }
-  deferred = false;
   const r = route();
-  const ctx = { state, actions };
+  const ctx = { state };
   const view = r.view === "job" ? jobView(ctx, r.id)
     : r.view === "devices" ? devicesView(ctx)
       : r.view === "volunteers" ? volunteersView(ctx) : jobsView(ctx);
-  replace(main, view);
+  if (main.firstElementChild && main.childNodes.length === 1) morph(main.firstElementChild, view);
+  else replace(main, view);
   for (const link of document.querySelectorAll("nav a")) {
     const current = link.dataset.view === (r.view === "job" ? "jobs" : r.view);
     if (current) link.setAttribute("aria-current", "page");
     else link.removeAttribute("aria-current");
   }
-  if (force && active && active.id && document.getElementById(active.id)) {
-    document.getElementById(active.id).focus();
-  }
+}
+
+/** One listener for every control the views draw (they carry data-action). */
+function listen() {
+  const main = $("view");
+  main.addEventListener("click", (e) => {
+    const el = e.target.closest("button[data-action]");
+    if (el && el.dataset.action === "ask-cancel") actions.askCancel(el.dataset.job || null);
+    if (el && el.dataset.action === "cancel") actions.cancel(el.dataset.job);
+  });
+  main.addEventListener("change", (e) => {
+    const el = e.target.closest("select[data-action='filter']");
+    if (el) actions.filter(el.dataset.key, el.value);
+  });
+  main.addEventListener("submit", (e) => e.preventDefault());
 }
 
 async function start() {
@@ -333,13 +340,14 @@ function init() {
     start();
   });
   $("forget-token").addEventListener("click", () => askToken(""));
-  $("view").addEventListener("focusout", () => {
-    if (deferred) setTimeout(() => render(), 0);
-  });
+  listen();
   window.addEventListener("hashchange", () => {
-    takeFragmentToken();
     state.confirmCancel = null;
-    render(true);
+    if (takeFragmentToken()) {
+      start(); // another token: its scope may differ
+      return;
+    }
+    render();
     if (state.token) guarded(load);
   });
   if (!location.hash) history.replaceState(null, "", `${location.pathname}#/jobs`);

@@ -92,7 +92,8 @@ export function when(t, source) {
   if (!finite(t) || t <= 0) return "never";
   if (source === "simulation") return `t=${duration(t)}`;
   const ago = Date.now() / 1000 - t;
-  return ago < 0 ? clock(t) : `${duration(ago)} ago`;
+  if (ago < 0) return clock(t);
+  return ago < 2 ? "just now" : `${duration(ago)} ago`;
 }
 
 /** A job or device state as a coloured badge (text, never colour alone). */
@@ -135,4 +136,33 @@ export function table(caption, headers, rows) {
       h("tbody", {}, rows),
     ),
   );
+}
+
+/**
+ * Make `from` look like `to`, touching only what differs: a live update keeps the
+ * element under the pointer, focus, an open list and scroll positions. Behaviour hangs
+ * on data-action attributes (one listener on the page), so reused elements stay right.
+ */
+export function morph(from, to) {
+  if (from.nodeType !== to.nodeType || from.nodeName !== to.nodeName) {
+    from.replaceWith(to);
+    return;
+  }
+  if (from.nodeType !== Node.ELEMENT_NODE) {
+    if (from.nodeValue !== to.nodeValue) from.nodeValue = to.nodeValue;
+    return;
+  }
+  for (const attr of [...from.attributes]) {
+    if (!to.hasAttribute(attr.name)) from.removeAttribute(attr.name);
+  }
+  for (const attr of to.attributes) {
+    if (from.getAttribute(attr.name) !== attr.value) from.setAttribute(attr.name, attr.value);
+  }
+  const old = [...from.childNodes];
+  const fresh = [...to.childNodes];
+  fresh.forEach((child, i) => {
+    if (i < old.length) morph(old[i], child);
+    else from.append(child);
+  });
+  for (let i = fresh.length; i < old.length; i += 1) old[i].remove();
 }

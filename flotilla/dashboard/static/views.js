@@ -123,19 +123,20 @@ function roundsTable(rounds, source) {
 }
 
 function cancelControls(ctx, job) {
-  const { state, actions } = ctx;
+  const { state } = ctx;
   if (state.scope !== "operator" || state.source !== "server" || !LIVE_STATES.has(job.state)) {
     return null;
   }
   if (state.confirmCancel !== job.id) {
     return h("button", { type: "button", class: "danger", id: "cancel-job",
-      onclick: () => actions.askCancel(job.id) }, "Cancel job");
+      "data-action": "ask-cancel", "data-job": job.id }, "Cancel job");
   }
   return h("div", { class: "confirm", role: "group", "aria-label": "Confirm cancelling" },
     h("span", {}, `Cancel ${job.name}? Its devices are freed; committed rounds stay.`),
     h("button", { type: "button", class: "danger", id: "confirm-cancel",
-      onclick: () => actions.cancel(job.id) }, "Yes, cancel it"),
-    h("button", { type: "button", onclick: () => actions.askCancel(null) }, "Keep it running"));
+      "data-action": "cancel", "data-job": job.id }, "Yes, cancel it"),
+    h("button", { type: "button", "data-action": "ask-cancel", "data-job": "" },
+      "Keep it running"));
 }
 
 export function jobView(ctx, id) {
@@ -164,9 +165,9 @@ export function jobView(ctx, id) {
       h("h2", { id: "rounds-title" }, "Rounds"), roundsTable(rounds, state.source)));
 }
 
-function select(label, id, value, options, onChange) {
+function select(label, id, key, value, options) {
   return h("label", { for: id }, label,
-    h("select", { id, onchange: (e) => onChange(e.target.value) },
+    h("select", { id, "data-action": "filter", "data-key": key },
       h("option", { value: "" }, "all"),
       options.map((o) => h("option", { value: o, selected: o === value }, o))));
 }
@@ -189,7 +190,7 @@ function historyChart(samples) {
 }
 
 export function devicesView(ctx) {
-  const { state, actions } = ctx;
+  const { state } = ctx;
   const f = state.filters;
   const distinct = (key) => [...new Set(state.devices.map((d) => d[key]))].filter(Boolean).sort();
   const shown = state.devices.filter((d) => (!f.state || d.state === f.state)
@@ -208,13 +209,11 @@ export function devicesView(ctx) {
     h("h1", { id: "devices-title" }, "Devices"),
     deviceCounts(state.devices),
     h("div", { class: "charts" }, historyChart(state.history)),
-    h("form", { class: "filters", "aria-label": "Filter devices", onsubmit: (e) => e.preventDefault() },
-      select("State", "filter-state", f.state, ["offline", "idle", "busy", "ineligible"],
-        (v) => actions.filter("state", v)),
-      select("Class", "filter-class", f.device_class, distinct("device_class"),
-        (v) => actions.filter("device_class", v)),
-      select("Job", "filter-job", f.job, distinct("job"),
-        (v) => actions.filter("job", v))),
+    h("form", { class: "filters", "aria-label": "Filter devices" },
+      select("State", "filter-state", "state", f.state,
+        ["offline", "idle", "busy", "ineligible"]),
+      select("Class", "filter-class", "device_class", f.device_class, distinct("device_class")),
+      select("Job", "filter-job", "job", f.job, distinct("job"))),
     h("p", { class: "muted small", id: "device-count" },
       shown.length > limit ? `Showing ${limit} of ${shown.length} devices.`
         : `${shown.length} of ${state.devices.length} devices.`),
