@@ -6,8 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
+import signal
+import socket
+import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -197,3 +203,59 @@ async def test_a_real_simulation_is_followed_while_it_runs(tmp_path: Path) -> No
     assert sum((Counter(d.failures) for d in devices), Counter()) == failures
     assert {d.device_class for d in devices if d.rounds_served} <= {"phone", "server"}
     assert {d.state for d in devices} == {"offline"}
+
+
+def test_flotilla_dashboard_serves_a_directory_with_a_fresh_read_token(tmp_path: Path) -> None:
+    """The command itself: prints its URL with a token (on stdout), answers with that
+    token only, serves the page, and stops cleanly on Ctrl-C."""
+    (tmp_path / "metrics.jsonl").write_text(line(metrics_row(1, ["d1"])))
+    (tmp_path / "participation.jsonl").write_text(line(served(1, "d1")))
+    cmd = [sys.executable, "-m", "flotilla", "dashboard", str(tmp_path), "--port", "0"]
+    proc = subprocess.Popen(bound(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        match = re.fullmatch(r"dashboard: (http://127\.0\.0\.1:(\d+)/)#token=(\S+)\n", first)
+        assert match, first
+        base, token = match.group(1), match.group(3)
+
+        def get(path: str, with_token: str | None = token) -> tuple[int, bytes]:
+            headers = {"Authorization": f"Bearer {with_token}"} if with_token else {}
+            try:
+                with urllib.request.urlopen(
+                    urllib.request.Request(base + path, headers=headers), timeout=10
+                ) as r:
+                    return r.status, r.read()
+            except urllib.error.HTTPError as err:
+                return err.code, err.read()
+
+        status, body = get("api/v1/jobs")
+        assert status == 200 and json.loads(body)["jobs"][0]["rounds_committed"] == 1
+        assert json.loads(get("api/v1/whoami")[1]) == {"scope": "read", "source": "simulation"}
+        assert get("api/v1/jobs", None)[0] == 401
+        assert get("api/v1/jobs", "someone-elses")[0] == 401
+        status, page = get("", None)
+        assert status == 200 and b"<title>Flotilla dashboard</title>" in page
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0
+        assert token not in (proc.stderr.read() if proc.stderr else "")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_flotilla_dashboard_on_a_busy_port_says_what_to_do(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "flotilla", "dashboard", str(tmp_path)]
+        done = subprocess.run(
+            bound([*cmd, "--port", str(port)]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stderr
+    assert "--port 0" in done.stderr and "Traceback" not in done.stderr
