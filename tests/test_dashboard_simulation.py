@@ -140,6 +140,19 @@ async def test_a_new_run_in_the_same_directory_starts_over(tmp_path: Path) -> No
     assert {d.id for d in await sim.devices()} == {"d5", "d9"}
 
 
+async def test_malformed_rows_are_skipped_not_served_as_errors(tmp_path: Path) -> None:
+    sim = source(tmp_path)
+    metrics, part = tmp_path / "metrics.jsonl", tmp_path / "participation.jsonl"
+    append(metrics, line(metrics_row(1, ["d1"], round="one")))
+    append(metrics, line(metrics_row(1, ["d1"], failures=[{"device_id": "d9"}])))
+    append(metrics, line(metrics_row(1, ["d1"])))
+    append(part, line({**served(1, "d1"), "num_samples": "many"}))
+    append(part, line(served(1, "d1")))
+    [r1] = await sim.rounds("job-0")
+    assert r1.participants == ("d1",)
+    assert {d.id: d.rounds_served for d in await sim.devices()} == {"d1": 1, "d9": 0}
+
+
 async def test_subscribers_hear_of_new_rounds_each_change_once(tmp_path: Path) -> None:
     sim = SimulationSource(tmp_path, poll_s=0.05)
     metrics, part = tmp_path / "metrics.jsonl", tmp_path / "participation.jsonl"

@@ -15,6 +15,7 @@ has ended.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -34,6 +35,8 @@ from flotilla.dashboard.model import (
     VolunteerRunView,
 )
 from flotilla.dashboard.tail import JsonFile, JsonlTail, Tailed
+
+log = logging.getLogger(__name__)
 
 #: Keys of a ``metrics.jsonl`` row that are not the round's metrics.
 _ROW_KEYS = frozenset(
@@ -92,7 +95,6 @@ class _Run:
         self.jobs: dict[str, _Job] = {}
         self.devices: dict[str, _Device] = {}
         self.ended = False
-        self._by_name: dict[str, str] = {}
         self._served: dict[tuple[str, int], list[dict[str, Any]]] = {}
 
     def apply(self, read: _Read) -> set[Change]:
@@ -100,10 +102,12 @@ class _Run:
         if read.jobs[0] and read.jobs[1] is not None:
             changes |= self._declare(read.jobs[1].get("jobs", ()))
         for row in read.metrics.rows:
-            changes |= self._round(row)
+            if _well_formed(row, _ROUND_FIELDS):
+                changes |= self._round(row)
         for row in read.participation.rows:
-            self._served_row(row)
-            changes.add(Change("devices"))
+            if _well_formed(row, _SERVED_FIELDS):
+                self._served_row(row)
+                changes.add(Change("devices"))
         changes |= self._promote()
         if read.summary[0]:
             changes |= self._summary(read.summary[1])
@@ -113,7 +117,6 @@ class _Run:
         job = self.jobs.get(job_id)
         if job is None:
             job = self.jobs[job_id] = _Job(job_id, name)
-            self._by_name[name] = job_id
         return job
 
     def _declare(self, rows: Iterable[Any]) -> set[Change]:
@@ -128,8 +131,6 @@ class _Run:
         return changes
 
     def _round(self, row: dict[str, Any]) -> set[Change]:
-        if "round" not in row or "job" not in row:
-            return set()
         name = str(row["job"])
         job = self._job(str(row.get("job_id", name)), name)
         job.waiting.append(row)
@@ -335,6 +336,39 @@ class SimulationSource:
                 await self.refresh()
         finally:
             self._subscribers.discard(subscriber)
+
+
+#: What a row must hold to be read (field -> a check of its value); others are skipped.
+_ROUND_FIELDS: Mapping[str, Callable[[Any], bool]] = {
+    "job": lambda v: isinstance(v, str),
+    "round": lambda v: isinstance(v, int),
+    "participants": lambda v: isinstance(v, int),
+    "failures": lambda v: (
+        isinstance(v, list)
+        and all(isinstance(f, dict) and "device_id" in f and "reason" in f for f in v)
+    ),
+    "selected": lambda v: isinstance(v, list),
+    "stale": lambda v: isinstance(v, list),
+    "simulated_time": lambda v: isinstance(v, int | float),
+    "round_seconds": lambda v: isinstance(v, int | float),
+}
+_SERVED_FIELDS: Mapping[str, Callable[[Any], bool]] = {
+    "job": lambda v: isinstance(v, str),
+    "round": lambda v: isinstance(v, int),
+    "device": lambda v: isinstance(v, str),
+    "num_samples": lambda v: isinstance(v, int),
+    "finished_at": lambda v: isinstance(v, int | float),
+}
+
+
+def _well_formed(row: Mapping[str, Any], fields: Mapping[str, Callable[[Any], bool]]) -> bool:
+    """Whether every field ``row`` has is of the expected kind (missing ones read as
+    empty); a row that is not is skipped and logged, never an error on every request."""
+    ok = all(check(row[name]) for name, check in fields.items() if name in row)
+    ok = ok and "job" in row and "round" in row
+    if not ok:
+        log.warning("skipped a malformed row: %.200s", row)
+    return ok
 
 
 @dataclass(eq=False)  # hashed by identity: one per subscription
