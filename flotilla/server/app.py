@@ -185,6 +185,11 @@ class FederationServer:
         return self.port
 
     @property
+    def http_edge(self) -> HttpEdge | None:
+        """The HTTP edge once started; None when it is off."""
+        return self._http
+
+    @property
     def dashboard_url(self) -> str | None:
         """``http://HOST:PORT/`` of the HTTP edge (the dashboard); None when it is off."""
         return self._http.url if self._http is not None else None

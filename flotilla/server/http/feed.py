@@ -2,9 +2,9 @@
 to every subscriber without ever making the federation wait.
 
 :class:`LiveFeed` is an :class:`~flotilla.core.events.EventSink`: ``emit`` runs inside a
-round's commit or a device's poll, so it only translates the event and drops the change
-into each subscriber's pending set (the same change twice is one refetch; the set is
-bounded by the number of jobs). A subscriber that does not read keeps at most that set.
+round's commit or a device's poll, so it only translates the event and records it, at a
+cost that does not grow with the number of subscribers. A subscriber that falls behind
+gets each distinct change it missed once (the same change twice is one refetch).
 """
 
 from __future__ import annotations
@@ -40,29 +40,25 @@ def changes_of(event: Event) -> tuple[Change, ...]:
     return ()
 
 
-class _Subscriber:
-    def __init__(self, limit: int) -> None:
-        self.pending: dict[Change, None] = {}
-        self.wake = asyncio.Event()
-        self.closed = False
-        self._limit = limit
-
-    def put(self, change: Change) -> None:
-        if change not in self.pending and len(self.pending) >= self._limit:
-            return  # a subscriber this far behind refetches everything on reconnect anyway
-        self.pending[change] = None
-        self.wake.set()
-
-
 class LiveFeed:
     """Fans the federation's changes out to any number of subscribers; ``hooks`` hear each
-    change synchronously, inside ``emit`` (the read model marks what it must refetch)."""
+    change synchronously, inside ``emit`` (the read model marks what it must refetch).
 
-    def __init__(self, max_pending: int = 4096) -> None:
-        self._subscribers: set[_Subscriber] = set()
+    ``emit`` costs the same whatever the number of subscribers: it stamps the change with
+    a sequence number in one table of the latest stamp per distinct change, and resolves
+    the one future every waiting subscriber awaits. Each subscriber keeps only the stamp it
+    has read up to, and on waking takes the changes stamped after it, newest first until
+    one it has seen: a subscriber that stopped reading holds nothing.
+    """
+
+    def __init__(self) -> None:
         self._hooks: list[Callable[[Change], None]] = []
-        self._max_pending = max_pending
+        self._seq = 0
+        #: Distinct change -> the sequence number of its latest occurrence, oldest first.
+        self._latest: dict[Change, int] = {}
+        self._next: asyncio.Future[None] | None = None
         self._closed = False
+        self.subscribers = 0
 
     def on_change(self, hook: Callable[[Change], None]) -> None:
         self._hooks.append(hook)
@@ -79,32 +75,43 @@ class LiveFeed:
                 hook(change)
             except Exception:
                 log.exception("live feed hook failed on %s", change)
-        for subscriber in self._subscribers:
-            subscriber.put(change)
+        self._seq += 1
+        self._latest.pop(change, None)
+        self._latest[change] = self._seq
+        self._wake()
 
-    @property
-    def subscribers(self) -> int:
-        return len(self._subscribers)
+    def _wake(self) -> None:
+        if self._next is not None and not self._next.done():
+            self._next.set_result(None)
+        self._next = None
+
+    def _since(self, seen: int) -> list[Change]:
+        newer = []
+        for change, seq in reversed(self._latest.items()):
+            if seq <= seen:
+                break
+            newer.append(change)
+        newer.reverse()
+        return newer
 
     async def changes(self) -> AsyncIterator[Change]:
         """Changes from now on, until :meth:`close` or the caller stops iterating."""
-        subscriber = _Subscriber(self._max_pending)
-        subscriber.closed = self._closed
-        self._subscribers.add(subscriber)
+        seen = self._seq
+        self.subscribers += 1
         try:
-            while not subscriber.closed:
-                await subscriber.wake.wait()
-                subscriber.wake.clear()
-                taken = list(subscriber.pending)
-                subscriber.pending.clear()
+            while not self._closed:
+                if self._seq == seen:
+                    if self._next is None:
+                        self._next = asyncio.get_running_loop().create_future()
+                    await asyncio.shield(self._next)
+                    continue
+                taken, seen = self._since(seen), self._seq
                 for change in taken:
                     yield change
         finally:
-            self._subscribers.discard(subscriber)
+            self.subscribers -= 1
 
     def close(self) -> None:
         """End every subscription (server stop); later ones end at once."""
         self._closed = True
-        for subscriber in self._subscribers:
-            subscriber.closed = True
-            subscriber.wake.set()
+        self._wake()
