@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The progress bars show each round: the engine's line per round goes to --log-file.
     demo.set_defaults(handler=_demo, hushed=("flotilla.engine",))
     _simulate_parser(commands)
+    _dashboard_parser(commands)
     from flotilla.cli.volunteer import add_volunteer_parser
 
     add_volunteer_parser(commands)
@@ -132,6 +133,19 @@ def _simulate(args: argparse.Namespace) -> int:
             )
         print(f"wall time {summary['wall_seconds']:.1f}s; results in {args.out}")
     return 0
+
+
+def _dashboard_parser(commands: Any) -> None:
+    from flotilla.cli.dashboard import add_dashboard_parser
+
+    add_dashboard_parser(commands)
+    commands.choices["dashboard"].set_defaults(handler=_dashboard)
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from flotilla.cli.dashboard import serve_dashboard
+
+    return _run(serve_dashboard(args))
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:

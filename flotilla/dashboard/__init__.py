@@ -8,5 +8,7 @@
 - ``events``: the server-sent events of ``/api/v1/events``.
 - ``cache``: rendered answers, kept until the model says they changed.
 - ``history``: device counts over time (a ring buffer).
+- ``simulation``: :class:`SimulationSource`, the model over a simulation's output
+  directory, followed while ``flotilla simulate`` writes it (``tail`` reads the files).
 - ``static/``: the page, shipped in the package.
 """

@@ -1,9 +1,11 @@
 """``flotilla simulate``: an experiment's jobs on the real engine over a virtual fleet.
 
 Each job is a real :class:`~flotilla.engine.JobRunner` with the real selector, aggregator
-and codecs; the backend is :class:`SimBackend`, the clock the virtual event loop's. Every
-committed round becomes a line of ``metrics.jsonl``; the end writes ``summary.json``,
-each job's final model and plots.
+and codecs; the backend is :class:`SimBackend`, the clock the virtual event loop's. The
+start writes ``jobs.json`` (the jobs as submitted); every committed round becomes a line of
+``metrics.jsonl`` and its participants lines of ``participation.jsonl``, flushed as each
+round commits so ``flotilla dashboard DIR`` can follow the run; the end writes
+``summary.json``, each job's final model and plots.
 """
 
 from __future__ import annotations
@@ -195,6 +197,7 @@ class RunLog:
                 )
                 + "\n"
             )
+        self._participation.flush()
         if self._progress is not None:
             accuracy = commit.metrics.get("accuracy")
             self._progress.update(
@@ -219,6 +222,8 @@ def run_experiment(
     True for a bar per job on stderr (a line per round where it is no terminal).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    # A summary left by an earlier run in this directory would say this one has ended.
+    (out_dir / "summary.json").unlink(missing_ok=True)
     wall_start = time.perf_counter()
     trainers = _trainers(experiment, list(devices), backend)
     try:
@@ -268,6 +273,7 @@ async def _simulate(
             _runner(i, spec, services, ledger, scratch, experiment.seed)
             for i, spec in enumerate(experiment.jobs)
         ]
+        _write_jobs(out_dir / "jobs.json", [(r.job, r.spec) for r in runners])
         fleet.start()
         # Everything built so far (torch, the fleet, the data) lives to the end: keep the
         # cyclic collector from rescanning it in every full collection of the run.
@@ -327,6 +333,24 @@ async def _simulate(
         "seed": experiment.seed,
         "trainer": {name: _describe(t) for name, t in trainers.items()},
     }
+
+
+def _write_jobs(path: Path, jobs: Sequence[tuple[JobRecord, JobSpec]]) -> None:
+    """``jobs.json``: the jobs as submitted, so a dashboard lists them before their first
+    round; written whole (temporary file, then rename) so a reader never sees half."""
+    rows = [
+        {
+            "id": job.id,
+            "name": job.name,
+            "task": spec.job.task,
+            "rounds_total": job.rounds_total,
+            "created_at": job.created_at,
+        }
+        for job, spec in jobs
+    ]
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"jobs": rows}, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
 
 
 async def _run_job(runner: JobRunner, ledger: SimLedger) -> None:
