@@ -92,7 +92,8 @@ def test_demo_console_has_one_bar_per_job_then_its_table_next_steps_and_keeps_se
     assert table > bars[1][0]
     assert screen[table + 1].split() == ["round", "digits-a", "digits-b"]
     serving = next(i for i, line in enumerate(screen) if "until Ctrl-C" in line)
-    assert screen[serving - 1].startswith("done in") and serving > table, shown
+    assert screen[serving - 2].startswith("done in") and serving > table, shown
+    assert screen[serving - 1].startswith("dashboard: http://127.0.0.1:"), shown
     assert [line.split()[:3] for line in screen[serving + 1 : serving + 3]] == [
         ["flotilla", "job", "status"],
         ["flotilla", "job", "plot"],

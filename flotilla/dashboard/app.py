@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,8 +20,15 @@ from flotilla.core.errors import NotFoundError, WireError
 from flotilla.dashboard import render
 from flotilla.dashboard.cache import Responses, RoundFragments
 from flotilla.dashboard.events import ChangeStream, StreamSettings, serve
-from flotilla.dashboard.guard import WRITE_ROUTES, Authorizer, bearer, guard, internal_errors
-from flotilla.dashboard.history import DeviceHistory, count
+from flotilla.dashboard.guard import (
+    WRITE_ROUTES,
+    Authorizer,
+    RouteHandler,
+    bearer,
+    guard,
+    internal_errors,
+)
+from flotilla.dashboard.history import DeviceCountHistory, count
 from flotilla.dashboard.model import ReadModel
 
 log = logging.getLogger(__name__)
@@ -60,7 +67,7 @@ class ReadState:
         self.config = config
         self.responses = Responses()
         self.fragments = RoundFragments()
-        self.history = DeviceHistory(config.history_capacity)
+        self.history = DeviceCountHistory(config.history_capacity)
         self.streams: set[ChangeStream] = set()
         self._sample_now = asyncio.Event()
 
@@ -203,10 +210,7 @@ class ReadRoutes:
         return web.FileResponse(page, headers={"Cache-Control": "no-cache"})
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def add_write_route(app: web.Application, method: str, path: str, handler: Handler) -> None:
+def add_write_route(app: web.Application, method: str, path: str, handler: RouteHandler) -> None:
     """A route only the operator token may call (a read token gets 403)."""
     app[WRITE_ROUTES].add(app.router.add_route(method, path, handler))
 

@@ -137,7 +137,7 @@ def status_of(exc: BaseException) -> tuple[int, str] | None:
     return None
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+RouteHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def guard(authorizer: Authorizer) -> Any:
@@ -145,7 +145,7 @@ def guard(authorizer: Authorizer) -> Any:
     raised to a JSON error (an unexpected exception is logged and answered ``internal``)."""
 
     @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def middleware(request: web.Request, handler: RouteHandler) -> web.StreamResponse:
         try:
             if protected(request.path):
                 granted = await authorizer.scope(bearer(request))
@@ -170,7 +170,7 @@ def guard(authorizer: Authorizer) -> Any:
 
 
 @web.middleware
-async def internal_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def internal_errors(request: web.Request, handler: RouteHandler) -> web.StreamResponse:
     """The outermost middleware: a bug answers 500 ``internal`` with JSON, not a traceback."""
     try:
         return await handler(request)

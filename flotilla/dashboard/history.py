@@ -27,7 +27,7 @@ def count(t: float, devices: Sequence[DeviceStatus]) -> DeviceSample:
     return DeviceSample(t, len(devices) - busy - offline, busy, offline)
 
 
-class DeviceHistory:
+class DeviceCountHistory:
     """The last ``capacity`` samples, at most one per ``min_interval_s`` (a burst of
     device changes, as a fleet joins, replaces the latest sample instead of flooding)."""
 
