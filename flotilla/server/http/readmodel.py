@@ -184,6 +184,8 @@ class LiveFleet:
         self._classes: dict[str, str] = {}
         self._read_at = -refresh_s
         self._refresh_s = refresh_s
+        #: Ids a round named that the last listing did not have.
+        self._missing: set[str] = set()
 
     async def devices(self) -> Sequence[DeviceStatus]:
         infos = await self._federation.list_devices()
@@ -194,11 +196,14 @@ class LiveFleet:
         return out
 
     async def classes(self, device_ids: set[str]) -> Mapping[str, str]:
-        """Device id -> class for the given devices, read afresh when one is new (at most
-        every ``refresh_s``: a round may name a device that is no longer enrolled)."""
+        """Device id -> class for the given devices, read afresh when one is new. A round
+        may name a device no longer enrolled: such an id is looked for again only after
+        ``refresh_s``, so it does not cost a listing per round."""
+        unknown = device_ids - self._classes.keys()
         stale = time.monotonic() - self._read_at >= self._refresh_s
-        if stale and not device_ids <= self._classes.keys():
+        if unknown - self._missing or (unknown and stale):
             await self.devices()
+            self._missing = unknown - self._classes.keys()
         return self._classes
 
     async def volunteer_runs(self) -> Sequence[VolunteerRunView]:
