@@ -104,7 +104,7 @@ async def test_a_subscriber_that_never_reads_costs_the_feed_nothing() -> None:
     """``emit`` runs inside rounds and polls: with a thousand subscribers that stopped
     reading, a hundred thousand events still take well under a second, and what each
     holds stays one entry per distinct change."""
-    feed = LiveFeed()
+    feed = LiveFeed(min_interval_s=0.0)
     readers = [feed.changes() for _ in range(1000)]
     first = [asyncio.ensure_future(anext(stream)) for stream in readers]
     await asyncio.sleep(0)  # each has subscribed

@@ -94,7 +94,11 @@ class ReadState:
                 self._sample_now.set()
 
     async def _sample(self) -> None:
+        """A sample now, then on each devices change and every ``history_every_s``, but at
+        most one a second: a fleet joining is one sample a second, not a storm."""
+        loop = asyncio.get_running_loop()
         while True:
+            sampled_at = loop.time()
             try:
                 devices = await self.model.fleet.devices()
                 self.history.record(count(time.time(), devices))
@@ -103,7 +107,7 @@ class ReadState:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._sample_now.wait(), self.config.history_every_s)
             self._sample_now.clear()
-            await asyncio.sleep(1.0)  # a fleet joining is one sample a second, not a storm
+            await asyncio.sleep(max(0.0, sampled_at + 1.0 - loop.time()))
 
 
 STATE = web.AppKey("flotilla_read_state", ReadState)

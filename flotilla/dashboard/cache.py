@@ -10,6 +10,7 @@ JSON is rendered once and a job's list is the join of those fragments.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 from flotilla.dashboard import render
 from flotilla.dashboard.model import Change, RoundView
+
+log = logging.getLogger(__name__)
 
 #: A cache key: the route's name and its arguments.
 Key = tuple[str, ...]
@@ -29,9 +32,10 @@ class _Entry:
 
 
 class Responses:
-    """Bodies by key, dropped by :meth:`changed`; ``max_age_s`` bounds how old an answer
-    may be for keys whose source changes without telling (devices' last seen, volunteer
-    runs' status)."""
+    """Bodies by key, dropped by :meth:`changed`. For keys whose source changes without
+    telling (devices' last seen, volunteer runs' status) ``max_age_s`` says when to read
+    them again: the old answer is still served while a fresh one is built in the
+    background, so no request waits for that rebuild."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -40,13 +44,31 @@ class Responses:
         #: Bumped by every change that touches a key, so a build that started before the
         #: change does not store what it read.
         self._generation: dict[Key, int] = {}
+        self._refreshing: set[asyncio.Task[bytes]] = set()
 
     async def get(
         self, key: Key, build: Callable[[], Awaitable[bytes]], max_age_s: float | None = None
     ) -> bytes:
         entry = self._entries.get(key)
-        if entry is not None and (max_age_s is None or self._clock() - entry.built_at < max_age_s):
+        if entry is not None:
+            if max_age_s is not None and self._clock() - entry.built_at >= max_age_s:
+                self._refresh(key, build)
             return entry.body
+        return await self._build(key, build)
+
+    def _refresh(self, key: Key, build: Callable[[], Awaitable[bytes]]) -> None:
+        if key in self._building:
+            return
+        task = asyncio.ensure_future(self._build(key, build))
+        self._refreshing.add(task)
+        task.add_done_callback(self._refreshed)
+
+    def _refreshed(self, task: asyncio.Task[bytes]) -> None:
+        self._refreshing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("refreshing a cached answer failed: %s", task.exception())
+
+    async def _build(self, key: Key, build: Callable[[], Awaitable[bytes]]) -> bytes:
         pending = self._building.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
@@ -55,7 +77,10 @@ class Responses:
         generation = self._generation.get(key, 0)
         try:
             body = await build()
-        except BaseException as exc:
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as exc:
             future.set_exception(exc)
             future.exception()  # retrieved: waiters re-raise it, nobody else must
             raise

@@ -6,6 +6,7 @@ the one place that reads them back into a typed :class:`DeviceProfile`.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 
@@ -18,6 +19,9 @@ from flotilla.scheduling import DevicePool
 from flotilla.server.federation import auth
 from flotilla.server.federation.store import Store
 from flotilla.server.federation.views import DeviceInfo
+
+#: Seconds a device listing may go without reading the store's devices afresh.
+LISTING_REFRESH_S = 60.0
 
 
 def stored_profile(record: DeviceRecord) -> DeviceProfile:
@@ -51,6 +55,11 @@ class Devices:
         self._known: dict[str, DeviceRecord] = {}
         #: Devices enrolled, ever (read at start, counted since): offline = this - online.
         self.enrolled = 0
+        #: Every enrolled device's record, for listings: read from the store at most every
+        #: ``LISTING_REFRESH_S`` (another server may share a PostgreSQL store), kept up to
+        #: date here between reads, so a listing of a thousand devices costs no query.
+        self._listing: dict[str, DeviceRecord] | None = None
+        self._listed_at = 0.0
 
     async def start(self) -> None:
         self.enrolled = await self._store.count_devices()
@@ -71,6 +80,8 @@ class Devices:
         )
         await self._store.add_device(record)
         self._known[device_id] = record
+        if self._listing is not None:
+            self._listing[device_id] = record
         self.enrolled += 1
         self._events.emit(DeviceChanged(device_id, "enrolled"))
         return DeviceCredential(device_id, secret)
@@ -94,17 +105,28 @@ class Devices:
                 device.id, profile=profile.numbers(), tasks=tuple(profile.tasks)
             )
             device = self._known[device.id] = await self._store.get_device(device.id) or device
+            if self._listing is not None:
+                self._listing[device.id] = device
         back = not self._pool.is_online(device.id)
         self._pool.seen(stored_profile(device))
         if back:
             self._events.emit(DeviceChanged(device.id, "online"))
+
+    async def _records(self) -> list[DeviceRecord]:
+        """Every enrolled device, in enrolment order (as the store lists them)."""
+        now = time.monotonic()
+        if self._listing is None or now - self._listed_at > LISTING_REFRESH_S:
+            listing = {r.id: r for r in await self._store.list_devices()}
+            listing.update(self._known)  # newer, and enrolled while that read ran
+            self._listing, self._listed_at = listing, now
+        return sorted(self._listing.values(), key=lambda r: (r.enrolled_at, r.id))
 
     async def infos(self, task: str = "") -> list[DeviceInfo]:
         """Every enrolled device: the pool's view of those seen since start, the rest offline."""
         views = {v.device_id: v for v in self._pool.describe(task)}
         history = self._pool.history
         out = []
-        for record in await self._store.list_devices():
+        for record in await self._records():
             view = views.get(record.id)
             records = [
                 (job, rec)

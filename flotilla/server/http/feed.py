@@ -51,7 +51,13 @@ class LiveFeed:
     one it has seen: a subscriber that stopped reading holds nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, min_interval_s: float = 1.0) -> None:
+        """``min_interval_s``: a ``devices`` or ``volunteers`` change is told at most this
+        often (every accepted update changes a device; a page refetching the device table
+        fifty times a round would cost the round more than it shows)."""
+        self._min_interval_s = min_interval_s
+        self._told_at: dict[str, float] = {}
+        self._held: set[Change] = set()
         self._hooks: list[Callable[[Change], None]] = []
         self._seq = 0
         #: Distinct change -> the sequence number of its latest occurrence, oldest first.
@@ -75,6 +81,30 @@ class LiveFeed:
                 hook(change)
             except Exception:
                 log.exception("live feed hook failed on %s", change)
+        if change.kind == "job":
+            self._publish(change)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop, so no subscriber either
+            return
+        if change in self._held:
+            return
+        wait = self._told_at.get(change.kind, -1e9) + self._min_interval_s - loop.time()
+        if wait <= 0:
+            self._publish(change)
+        else:
+            self._held.add(change)
+            loop.call_later(wait, self._release, change)
+
+    def _release(self, change: Change) -> None:
+        self._held.discard(change)
+        if not self._closed:
+            self._publish(change)
+
+    def _publish(self, change: Change) -> None:
+        if change.kind != "job":
+            self._told_at[change.kind] = asyncio.get_running_loop().time()
         self._seq += 1
         self._latest.pop(change, None)
         self._latest[change] = self._seq

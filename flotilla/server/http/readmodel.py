@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
@@ -178,21 +179,31 @@ class LiveFleet:
     """Devices (the pool's view, the store's profiles, failures since start) and the
     volunteer runs this server hosts."""
 
-    def __init__(self, federation: Federation) -> None:
+    def __init__(self, federation: Federation, refresh_s: float = 5.0) -> None:
         self._federation = federation
         self._classes: dict[str, str] = {}
+        self._read_at = -refresh_s
+        self._refresh_s = refresh_s
+        #: Ids a round named that the last listing did not have.
+        self._missing: set[str] = set()
 
     async def devices(self) -> Sequence[DeviceStatus]:
         infos = await self._federation.list_devices()
         failures = self._federation.device_failures()
         out = [device_status(i, failures.get(i.id, {})) for i in infos]
         self._classes = {d.id: d.device_class for d in out}
+        self._read_at = time.monotonic()
         return out
 
     async def classes(self, device_ids: set[str]) -> Mapping[str, str]:
-        """Device id -> class for the given devices (read afresh if one is new)."""
-        if not device_ids <= self._classes.keys():
+        """Device id -> class for the given devices, read afresh when one is new. A round
+        may name a device no longer enrolled: such an id is looked for again only after
+        ``refresh_s``, so it does not cost a listing per round."""
+        unknown = device_ids - self._classes.keys()
+        stale = time.monotonic() - self._read_at >= self._refresh_s
+        if unknown - self._missing or (unknown and stale):
             await self.devices()
+            self._missing = unknown - self._classes.keys()
         return self._classes
 
     async def volunteer_runs(self) -> Sequence[VolunteerRunView]:
