@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.lifetime import bound
+
 ROOT = Path(__file__).resolve().parents[1]
 STATIC = ROOT / "flotilla" / "dashboard" / "static"
 #: An XML namespace name, never fetched: ``document.createElementNS`` needs it to make SVG.
@@ -69,7 +71,7 @@ def test_a_built_wheel_carries_every_static_file(tmp_path: Path) -> None:
         shutil.copy(ROOT / name, src / name)
     pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
     done = subprocess.run(
-        [*pip, "-w", str(tmp_path / "dist"), str(src)],
+        bound([*pip, "-w", str(tmp_path / "dist"), str(src)]),
         capture_output=True,
         text=True,
         timeout=100,

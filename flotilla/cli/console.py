@@ -18,9 +18,9 @@ from pathlib import Path
 from flotilla.core.errors import SpecError
 
 #: The log file's lines: when, how bad, who, what.
-FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+FILE_FORMAT = "%(asctime)s %(level)s %(name)s: %(message)s"
 #: The console's: the terminal has its own clock.
-CONSOLE_FORMAT = "%(levelname)s %(name)s: %(message)s"
+CONSOLE_FORMAT = "%(level)s %(name)s: %(message)s"
 
 
 class ConsoleHandler(logging.Handler):
@@ -59,13 +59,25 @@ class Details(logging.Filter):
         return _ours(record.name) or record.levelno >= logging.INFO
 
 
+_LEVELS = {10: "DEBUG", 20: "INFO", 30: "WARNING", 40: "ERROR", 50: "CRITICAL"}
+
+
+class LevelFormatter(logging.Formatter):
+    """Names levels itself: hivemind renames them process-wide when imported
+    (``WARNING`` becomes ``WARN``), and our lines should not change with what was loaded."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.level = _LEVELS.get(record.levelno, record.levelname)
+        return super().format(record)
+
+
 def setup_logging(verbose: bool, log_file: Path | None, hushed: Sequence[str] = ()) -> None:
     """Route the process's logging: the console at this verbosity, ``log_file`` in full.
 
     ``hushed``: loggers whose INFO lines the console leaves out at the default verbosity
     (their news is on a progress bar); they still reach the log file."""
     console = ConsoleHandler(logging.DEBUG)
-    console.setFormatter(logging.Formatter(CONSOLE_FORMAT))
+    console.setFormatter(LevelFormatter(CONSOLE_FORMAT))
     console.addFilter(Verbosity(verbose, hushed))
     handlers: list[logging.Handler] = [console]
     if log_file is not None:
@@ -73,7 +85,7 @@ def setup_logging(verbose: bool, log_file: Path | None, hushed: Sequence[str] = 
             file = logging.FileHandler(log_file, encoding="utf-8")
         except OSError as exc:
             raise SpecError(f"--log-file {log_file}: {exc.strerror or exc}") from exc
-        file.setFormatter(logging.Formatter(FILE_FORMAT))
+        file.setFormatter(LevelFormatter(FILE_FORMAT))
         file.addFilter(Details())
         handlers.append(file)
     logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
