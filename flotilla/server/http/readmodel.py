@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
+from flotilla.core.errors import NotFoundError
 from flotilla.core.records import JobRecord, RoundRecord
 from flotilla.core.spec import JobSpec
 from flotilla.dashboard.model import (
@@ -162,7 +163,11 @@ class LiveJobs:
                 return cached
             self._stale.discard(job_id)  # a commit from now on marks it again
             after = cached[-1].round if cached else 0
-            records = await self._federation.list_rounds(job_id, after)
+            try:
+                records = await self._federation.list_rounds(job_id, after)
+            except NotFoundError:  # keep no lock for an id that names no job
+                self._locks.pop(job_id, None)
+                raise
             classes = await self._fleet.classes(
                 {p.device_id for r in records for p in r.participants}
             )
