@@ -145,3 +145,62 @@ def test_an_averager_process_that_never_gets_ready_is_killed_and_reported() -> N
         assert not averager.is_alive()
     finally:
         dht.shutdown()
+
+
+def test_a_step_given_up_mid_all_reduce_leaves_its_tensors_even_when_the_round_commits() -> None:
+    # hivemind cannot cancel a running all-reduce: the round may commit after the caller's
+    # timeout. The caller was told "failed", so its tensors must stay as they were.
+    import asyncio
+    import threading
+
+    import torch
+
+    from flotilla.p2p.averaging import SafeAverager
+
+    class Verdict(SafeAverager):  # hivemind names its handlers after the class: one class
+        def __init__(self, *args: Any, delay_s: float, **kwargs: Any) -> None:
+            self.delay_s = delay_s  # set before the averaging process forks
+            super().__init__(*args, **kwargs)
+
+        async def _verdict_round(self, *args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(self.delay_s)  # the slow caller's timeout expires in here
+            return await super()._verdict_round(*args, **kwargs)
+
+    boot = start_dht()
+    other = start_dht([str(boot.get_visible_maddrs()[0])])
+    common: dict[str, Any] = dict(
+        prefix="given-up", target_group_size=2, min_group_size=2, min_matchmaking_time=1.0,
+        request_timeout=1.0, allreduce_timeout=20.0, sender_timeout=10.0, reducer_timeout=20.0,
+        next_chunk_timeout=10.0, start=True,
+    )  # fmt: skip
+    slow = Verdict([torch.zeros(1000)], boot, delay_s=4.0, **common)
+    steady = Verdict([torch.ones(1000)], other, delay_s=0.0, **common)
+    outcomes: dict[str, Any] = {}
+
+    def run(name: str, averager: SafeAverager, timeout: float) -> None:
+        try:
+            outcomes[name] = averager.step(gather=name, timeout=timeout)
+        except Exception as exc:
+            outcomes[name] = exc
+
+    try:
+        threads = [
+            threading.Thread(target=run, args=("slow", slow, 3.0)),
+            threading.Thread(target=run, args=("steady", steady, 20.0)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=40)
+        assert isinstance(outcomes["slow"], TimeoutError), outcomes
+        assert sorted(outcomes["steady"].gathered.values()) == ["slow", "steady"], outcomes
+        with steady.get_tensors() as (averaged,):
+            assert torch.allclose(averaged, torch.full((1000,), 0.5))  # the round committed
+        # The slow peer's process finished that round (its tensor lock is free again) ...
+        with slow.get_tensors() as (kept,):
+            assert torch.equal(kept, torch.zeros(1000))  # ... and did not apply it
+    finally:
+        slow.shutdown()
+        steady.shutdown()
+        other.shutdown()
+        boot.shutdown()

@@ -14,9 +14,13 @@ tensor can mix several contributor sets. :class:`SafeAverager` runs each round a
 4. apply the outputs only when every slot is non-zero; otherwise drop them and raise, so
    hivemind retries with whoever is left until the step's deadline.
 
-Cancellation (a timeout) leaves the local tensors untouched too, and a caller of
-:meth:`SafeAverager.step` never waits past its timeout. A committed step returns a
-:class:`AllReduceOutcome`: who contributed, and the attempts reverted before it.
+A step that times out leaves the local tensors untouched too. hivemind cannot cancel an
+all-reduce once it runs, so the averaging process may reach step 4 after the caller gave
+up; a commit gate (a lock shared by both processes) decides exactly one of "the caller
+gave up" and "the round was applied", whichever comes first. A caller of
+:meth:`SafeAverager.step` never waits past its timeout unless the round was applied in
+that same instant (then it waits for the outcome, milliseconds). A committed step returns
+a :class:`AllReduceOutcome`: who contributed, and the attempts reverted before it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import logging
+import multiprocessing
 import signal
 import time
 import typing
@@ -35,6 +41,7 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import NoCompression, deserialize_torch_tensor, serialize_torch_tensor
@@ -224,21 +231,59 @@ class SafeAverager(CompleteRounds, DecentralizedAverager):  # type: ignore[misc]
     """A ``DecentralizedAverager`` with whole-or-nothing rounds; ``step`` returns a
     :class:`AllReduceOutcome` and never keeps a waiting caller past its timeout."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Shared with the averaging process, so made before the parent starts (forks) it.
+        self._commit_gate = multiprocessing.Lock()
+        self._open_step = multiprocessing.Array("c", _STEP_KEY_BYTES, lock=False)
+        self._committed_step = multiprocessing.Array("c", _STEP_KEY_BYTES, lock=False)
+        self._this_step: contextvars.ContextVar[bytes] = contextvars.ContextVar("step")
+        super().__init__(*args, **kwargs)
+
     def step(
-        self, *args: Any, timeout: float | None = None, wait: bool = True, **kwargs: Any
+        self,
+        *args: Any,
+        timeout: float | None = None,
+        wait: bool = True,
+        require_trigger: bool = False,
+        **kwargs: Any,
     ) -> Any:
         """hivemind's step, but a waiting caller never waits past ``timeout``: hivemind
         checks its deadline only between attempts, so one late attempt can overrun it.
-        On expiry the step is cancelled (the tensors stay as they were) and TimeoutError
-        raised."""
-        control = super().step(*args, timeout=timeout, wait=False, **kwargs)
+        On expiry the step is cancelled, the tensors stay as they were, and TimeoutError
+        is raised; or, when the round was applied first, its outcome is returned."""
+        control = super().step(*args, timeout=timeout, wait=False, require_trigger=True, **kwargs)
+        # Opened before the trigger: the all-reduce, so its commit, cannot start earlier.
+        with self._commit_gate:
+            self._open_step.raw = _step_key(control)
+        if not require_trigger:
+            control.allow_allreduce()
         if not wait:
             return control
         try:
             return control.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
+            with self._commit_gate:
+                applied = self._committed_step.raw == _step_key(control)
+                if not applied:
+                    self._open_step.raw = bytes(_STEP_KEY_BYTES)
+            if applied:  # the outcome is a message away
+                return control.result(timeout=Timeouts().child_stop_s)
             control.cancel()
             raise TimeoutError(f"all-reduce did not complete within {timeout} s") from None
+
+    async def _step(self, *, step: StepControl, **kwargs: Any) -> None:
+        """Runs in the averaging process: remember which step this task serves."""
+        self._this_step.set(_step_key(step))
+        await super()._step(step=step, **kwargs)
+
+    def _apply(self, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        """Apply only a step its caller still waits for (see the module doc)."""
+        key = self._this_step.get(b"")
+        with self._commit_gate:
+            if not key or self._open_step.raw != key:
+                raise IncompleteAllReduce("the caller gave up on this step; tensors left as is")
+            self._committed_step.raw = key
+            super()._apply(tensors, outputs)
 
     async def _aggregate_with_group(
         self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any
@@ -383,6 +428,14 @@ class SafeGradientAverager(CompleteRounds, GradientAverager):  # type: ignore[mi
 
 class SafeStateAverager(CompleteRounds, TrainingStateAverager):  # type: ignore[misc]
     """hivemind.Optimizer's parameter and statistics averager, whole-or-nothing."""
+
+
+_STEP_KEY_BYTES = 16
+
+
+def _step_key(step: StepControl) -> bytes:
+    """A step's identity in both processes: its future's id (a UUID), as 16 bytes."""
+    return int(step._uid).to_bytes(_STEP_KEY_BYTES, "big")
 
 
 def _sender_ids(group_info: GroupInfo) -> list[Any]:
