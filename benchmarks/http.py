@@ -3,15 +3,16 @@
 
 A :class:`FederationServer` (gRPC and HTTP on free ports of 127.0.0.1) runs in this process
 with 1,000 real agents enrolled through the in-process transport (each answers a round with
-one canned update, so the numbers are about the platform) and 20 jobs: 17 finished ones
-seeded into the store (one with ``--rounds-big`` rounds, the rest 10 each) and three run
-here on the synthetic 100k-parameter task, 50 devices a round:
+one canned update, so the numbers are about the platform) and at least 20 jobs: 17 finished
+ones seeded into the store (one with 1,000 rounds, 300 with ``--quick``; the rest 10 each)
+and the ones run here on the synthetic 100k-parameter task, 50 devices a round:
 
-- job A with no dashboard open, job B with 50 dashboards subscribed to ``/api/v1/events``
-  (another process; each refetches what a change names, as the page does): the median
-  round time of each;
-- job C running while another process reads, one request at a time: p50/p99 latency of the
-  jobs list, the big job's rounds and the devices list.
+- a warm-up job, then jobs of 5 rounds alternately with no dashboard open and with 50
+  dashboards subscribed to ``/api/v1/events`` (another process; each refetches what a
+  change names, as the page does), 4 of each (2 with ``--quick``): the median round time
+  of each kind, so that drift in a shared machine falls on both;
+- a job running while another process reads, one request at a time: p50/p99 latency of
+  the jobs list, the big job's rounds and the devices list.
 
 Floors (reported, never an exit status): p99 of each read under 50 ms; 50 dashboards slow
 rounds by under 5%. Stdout carries exactly one JSON object; a summary goes to stderr.
@@ -177,6 +178,21 @@ async def run_job(server: FederationServer, name: str, rounds: int) -> list[floa
     return [r.committed_at - r.started_at for r in await server.store.list_rounds(job.id)]
 
 
+async def run_watched(
+    server: FederationServer, base: str, token: str, name: str, rounds: int
+) -> list[float]:
+    """:func:`run_job` while another process keeps ``DASHBOARDS`` pages open."""
+    watchers = child("--dashboards", base, token, str(DASHBOARDS), "3600")
+    try:
+        assert watchers.stdout is not None
+        await asyncio.to_thread(watchers.stdout.readline)  # "ready"
+        await asyncio.sleep(1.0)  # every stream subscribed
+        return await run_job(server, name, rounds)
+    finally:
+        watchers.terminate()
+        await asyncio.to_thread(watchers.wait, 30)
+
+
 def child(*args: str) -> subprocess.Popen[str]:
     """This script in another process (``--measure``, ``--dashboards``)."""
     return subprocess.Popen(
@@ -211,7 +227,9 @@ async def measure(base: str, token: str, paths: list[str], count: int) -> dict[s
 
 
 async def dashboards(base: str, token: str, count: int, seconds: float) -> dict[str, Any]:
-    """``count`` pages: each reads the event stream and refetches what a change names."""
+    """``count`` pages: each reads the event stream and refetches what a change names, as
+    ``app.js`` does (the jobs list and the job's new rounds; the device table and its
+    history, as the devices view does: every page here behaves as if it showed both)."""
     headers = {"Authorization": f"Bearer {token}"}
     fetched = [0]
 
@@ -225,7 +243,7 @@ async def dashboards(base: str, token: str, count: int, seconds: float) -> dict[
                 if change["kind"] == "job":
                     job = change["job_id"]
                     for path in (
-                        f"/api/v1/jobs/{job}",
+                        "/api/v1/jobs",
                         f"/api/v1/jobs/{job}/rounds?since={since.get(job, 0)}",
                     ):
                         async with http.get(base + path) as r:
@@ -234,9 +252,10 @@ async def dashboards(base: str, token: str, count: int, seconds: float) -> dict[
                     if body.get("rounds"):
                         since[job] = body["rounds"][-1]["round"]
                 elif change["kind"] == "devices":
-                    async with http.get(base + "/api/v1/devices") as r:
-                        await r.read()
-                        fetched[0] += 1
+                    for path in ("/api/v1/devices", "/api/v1/devices/history"):
+                        async with http.get(base + path) as r:
+                            await r.read()
+                            fetched[0] += 1
 
     async with aiohttp.ClientSession(headers=headers) as http:
         pages = [asyncio.ensure_future(page(http)) for _ in range(count)]
@@ -294,19 +313,15 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         started = time.perf_counter()
         fleet = await start_fleet(server, args.agents)
         connect_s = time.perf_counter() - started
-        alone = await run_job(server, "alone", args.rounds)
-        watchers = child("--dashboards", base, token, str(DASHBOARDS), "3600")
-        try:
-            assert watchers.stdout is not None
-            await asyncio.to_thread(watchers.stdout.readline)  # "ready"
-            await asyncio.sleep(1.0)  # every stream subscribed
-            watched = await run_job(server, "watched", args.rounds)
-        finally:
-            watchers.terminate()
-            await asyncio.to_thread(watchers.wait, 30)
+        await run_job(server, "warm-up", 3)  # first rounds pay for caches and imports
+        alone: list[float] = []
+        watched: list[float] = []
+        for block in range(args.blocks):  # alternated, so drift in the machine hits both
+            alone += await run_job(server, f"alone-{block}", args.rounds)
+            watched += await run_watched(server, base, token, f"watched-{block}", args.rounds)
         paths = ["/api/v1/jobs", f"/api/v1/jobs/{big_job}/rounds", "/api/v1/devices"]
         reader = child("--measure", base, token, str(args.requests), *paths)
-        busy = asyncio.ensure_future(run_job(server, "busy", args.rounds * 4))
+        busy = asyncio.ensure_future(run_job(server, "busy", 60 if not args.quick else 20))
         out, _ = await asyncio.to_thread(reader.communicate)
         latency = json.loads(out)
         await busy
@@ -377,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         base, token, pages, seconds = args.dashboards
         print(json.dumps(asyncio.run(dashboards(base, token, int(pages), float(seconds)))))
         return 0
-    args.rounds = 5 if args.quick else 15
+    args.rounds = 10  # per block; blocks of jobs alone and watched alternate
+    args.blocks = 2 if args.quick else 3
     args.rounds_big = 300 if args.quick else 1000
     args.requests = 100 if args.quick else 400
     work = Path(tempfile.mkdtemp(prefix="flotilla-bench-http-"))

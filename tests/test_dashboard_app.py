@@ -82,7 +82,7 @@ async def served() -> AsyncIterator[tuple[FakeModel, str, web.AppRunner]]:
     fake = FakeModel()
     model = ReadModel(jobs=fake, fleet=fake, changes=fake)
     tokens = StaticTokens({OPERATOR: Scope.OPERATOR, READER: Scope.READ})
-    config = ReadAppConfig(streams=StreamSettings(keepalive_s=0.2))
+    config = ReadAppConfig(streams=StreamSettings(keepalive_s=0.2, min_interval_s=0.5))
     runner = web.AppRunner(build_read_app(model, tokens, "simulation", config))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -172,6 +172,21 @@ async def test_events_stream_changes_and_end_on_stop(
         assert lines[1] == b'data: {"kind": "job", "job_id": "j1"}\n'
         assert lines[4] == b'data: {"kind": "devices", "job_id": ""}\n'
         assert await r.content.readline() == b": keepalive\n"
+        await r.content.readline()
+        # Changes soon after a batch wait for the interval and go as one batch, each once.
+        loop = asyncio.get_running_loop()
+        fake.tell(Change("job", "j1"))
+        first = [await r.content.readline() for _ in range(3)]
+        told = loop.time()
+        assert first[1] == b'data: {"kind": "job", "job_id": "j1"}\n'
+        for job in ("j1", "j2", "j1", "j2"):
+            fake.tell(Change("job", job))
+        batch = [await r.content.readline() for _ in range(6)]
+        assert loop.time() - told >= 0.4  # the interval is 0.5 s
+        assert [line for line in batch if line.startswith(b"data:")] == [
+            b'data: {"kind": "job", "job_id": "j1"}\n',
+            b'data: {"kind": "job", "job_id": "j2"}\n',
+        ]
         started = asyncio.get_running_loop().time()
         await asyncio.wait_for(runner.cleanup(), 5)
         assert asyncio.get_running_loop().time() - started < 2.0

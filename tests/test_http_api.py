@@ -155,6 +155,13 @@ async def test_submit_refuses_what_job_submit_refuses_and_cancel_cancels(
         record = await s.server.store.get_job(job["id"])
         assert record is not None and record.state == "cancelled"
         assert (await s.get(f"/api/v1/jobs/{job['id']}"))["state"] == "cancelled"
+        # The list was read before: it is kept and only changed rows are read again.
+        status, later = await s.call("POST", "/api/v1/jobs?job=a", "operator", data=two.encode())
+        assert status == 201
+        listed = (await s.get("/api/v1/jobs"))["jobs"]
+        assert [j["id"] for j in listed] == [job["id"], later["id"]]
+        assert listed[0] == await s.get(f"/api/v1/jobs/{job['id']}")
+        assert listed[1]["state"] in ("pending", "running")  # it waits for devices
         status, body = await s.call("POST", "/api/v1/jobs/job-nope/cancel", "operator")
         assert (status, body["error"]["code"]) == (404, "not_found")
 

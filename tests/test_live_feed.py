@@ -67,6 +67,9 @@ async def test_a_page_hears_rounds_commit_and_devices_leave(db_url: str, tmp_pat
         assert status == 201
         await s.fleet.wait_for(job["id"], timeout=90)
         rounds = await s.server.store.list_rounds(job["id"])
+        last = Change("job", job["id"])
+        # Pages hear of changes at most once a second, in batches: the last commit soon.
+        await wait_until(lambda: _has(page, last, rounds[-1].committed_at), 5, "last commit")
         for r in rounds:  # each commit was told after it happened
             told = [t for t, c in page.heard if c == Change("job", job["id"])]
             assert any(t >= r.committed_at for t in told), (r.round, told)

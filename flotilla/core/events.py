@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from flotilla.core.records import JobRecord
+
 log = logging.getLogger(__name__)
 
 #: Why an update was refused: the bounded label set of ``UpdateRefused.reason`` (and so of
@@ -84,6 +86,8 @@ class RoundCommitted:
     #: Spent combining the updates (decode, robust rule, optimizer step).
     aggregation_s: float
     participants: int
+    #: The job's row as this commit left it (live views show it without a read).
+    job: JobRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,11 @@
 Each connection subscribes once to the model's changes. What a slow reader has not taken
 yet is kept as a set (the same change twice is one refetch), so a stuck browser costs a
 few bytes and never holds up the source; a write that does not finish in time ends the
-stream, and the page reconnects. A comment line every ``keepalive_s`` keeps proxies from
-closing an idle stream. Server stop ends every stream at once.
+stream, and the page reconnects. A page hears at most one batch of changes per
+``min_interval_s``: a job committing ten rounds a second costs each open page one refetch
+a second, not ten, and the picture is never more than that interval behind. A comment
+line every ``keepalive_s`` keeps proxies from closing an idle stream. Server stop ends
+every stream at once.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class StreamSettings:
     keepalive_s: float = 15.0
     #: A write to the browser that takes longer than this ends its stream.
     write_timeout_s: float = 10.0
+    #: Changes that come sooner than this after the last batch wait, and go as one batch.
+    min_interval_s: float = 1.0
 
 
 class ChangeStream:
@@ -36,12 +41,20 @@ class ChangeStream:
         self._source = source
         self._pending: dict[Change, None] = {}
         self._wake = asyncio.Event()
+        self._closed = asyncio.Event()
         self.ended = False
 
     def close(self) -> None:
         """End the stream (server stop); the handler returns at its next wake-up."""
         self.ended = True
+        self._closed.set()
         self._wake.set()
+
+    async def rest(self, seconds: float) -> None:
+        """Wait ``seconds`` while changes gather, or until the stream ends."""
+        if seconds > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), seconds)
 
     async def pump(self) -> None:
         """Move the source's changes into the pending set until the source ends."""
@@ -92,13 +105,18 @@ async def serve(
     await response.prepare(request)
     streams.add(stream)
     pump = asyncio.ensure_future(stream.pump())
+    loop = asyncio.get_running_loop()
+    told_at = -settings.min_interval_s
     try:
         await _write(response, b": connected\n\n", settings)
         while not stream.ended and not _gone(request):
+            await stream.rest(told_at + settings.min_interval_s - loop.time())
             changes = await stream.next(settings.keepalive_s)
             if stream.ended or _gone(request):
                 break
             await _write(response, encode(changes) if changes else KEEPALIVE, settings)
+            if changes:
+                told_at = loop.time()
     except (ConnectionError, asyncio.TimeoutError):
         pass  # the browser went away or stopped reading: it reconnects when it can
     finally:

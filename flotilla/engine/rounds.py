@@ -370,6 +370,7 @@ class JobRunner:
                 duration_s=commit.committed_at - started,
                 aggregation_s=aggregation_s,
                 participants=len(participants),
+                job=self._job,
             )
         )
         if self._job.state != state:

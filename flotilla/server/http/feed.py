@@ -41,8 +41,8 @@ def changes_of(event: Event) -> tuple[Change, ...]:
 
 
 class LiveFeed:
-    """Fans the federation's changes out to any number of subscribers; ``hooks`` hear each
-    change synchronously, inside ``emit`` (the read model marks what it must refetch).
+    """Fans the federation's changes out to any number of subscribers; hooks hear each
+    event and change synchronously, inside ``emit`` (the read model keeps up with them).
 
     ``emit`` costs the same whatever the number of subscribers: it stamps the change with
     a sequence number in one table of the latest stamp per distinct change, and resolves
@@ -59,6 +59,7 @@ class LiveFeed:
         self._told_at: dict[str, float] = {}
         self._held: set[Change] = set()
         self._hooks: list[Callable[[Change], None]] = []
+        self._event_hooks: list[Callable[[Event], None]] = []
         self._seq = 0
         #: Distinct change -> the sequence number of its latest occurrence, oldest first.
         self._latest: dict[Change, int] = {}
@@ -69,7 +70,16 @@ class LiveFeed:
     def on_change(self, hook: Callable[[Change], None]) -> None:
         self._hooks.append(hook)
 
+    def on_event(self, hook: Callable[[Event], None]) -> None:
+        """``hook`` hears each event inside ``emit``, before any subscriber hears of it."""
+        self._event_hooks.append(hook)
+
     def emit(self, event: Event) -> None:
+        for event_hook in self._event_hooks:
+            try:
+                event_hook(event)
+            except Exception:
+                log.exception("live feed hook failed on %s", event)
         for change in changes_of(event):
             self.tell(change)
 

@@ -16,10 +16,10 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from flotilla.core.errors import NotFoundError
+from flotilla.core.events import Event, JobChanged, RoundCommitted
 from flotilla.core.records import JobRecord, RoundRecord
 from flotilla.core.spec import JobSpec
 from flotilla.dashboard.model import (
-    Change,
     DeviceStatus,
     FailureView,
     JobView,
@@ -127,24 +127,62 @@ def volunteer_view(info: VolunteerRunInfo) -> VolunteerRunView:
 
 
 class LiveJobs:
-    """Jobs from the store; each job's rounds kept once read, topped up as they commit."""
+    """Jobs from the store, listed once and then kept up to date from the events: a commit
+    carries its job's new row, and only a job that changed otherwise (submitted, started,
+    cancelled) is read again, by key. Each job's rounds are kept once read and topped up
+    as they commit. The jobs list is read after every round, on the loop that also serves
+    the fleet, where every database round trip waits for the loop's other work."""
 
     def __init__(self, federation: Federation, fleet: LiveFleet, max_jobs: int = 64) -> None:
         self._federation = federation
         self._fleet = fleet
         self._tasks: dict[str, str] = {}
+        #: Every job (jobs are never deleted), once listed; None until then.
+        self._views: dict[str, JobView] | None = None
+        #: Jobs whose row changed without the event carrying it; read again on next use.
+        self._changed: set[str] = set()
+        self._listing = asyncio.Lock()
         self._rounds: OrderedDict[str, tuple[RoundView, ...]] = OrderedDict()
         self._stale: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         self._max_jobs = max_jobs
 
-    def changed(self, change: Change) -> None:
-        """A feed hook, inside ``emit``: the job's next read fetches its new rounds."""
-        if change.kind == "job":
-            self._stale.add(change.job_id)
+    def seen(self, event: Event) -> None:
+        """A feed hook, inside ``emit``, before any page hears of the change."""
+        if isinstance(event, RoundCommitted):
+            self._stale.add(event.job_id)
+            if self._views is None:  # not listed yet, or a listing under way predates it
+                self._changed.add(event.job_id)
+            else:
+                self._keep(event.job)
+        elif isinstance(event, JobChanged):
+            self._stale.add(event.job_id)
+            self._changed.add(event.job_id)
+
+    def _keep(self, job: JobRecord) -> None:
+        assert self._views is not None
+        old = self._views.get(job.id)
+        if old is not None and old.updated_at > job.updated_at:
+            return  # a read that started before a later commit: keep the later row
+        self._views[job.id] = job_view(job, self._task(job))
+        if old is None:  # a new job: keep the order the store lists them in
+            ordered = sorted(self._views.values(), key=lambda v: (v.created_at, v.id))
+            self._views = {v.id: v for v in ordered}
 
     async def jobs(self) -> Sequence[JobView]:
-        return [job_view(j, self._task(j)) for j in await self._federation.list_jobs()]
+        """All jobs, oldest first."""
+        async with self._listing:
+            if self._views is None:
+                self._changed.clear()
+                listed = await self._federation.list_jobs()
+                self._views = {j.id: job_view(j, self._task(j)) for j in listed}
+            while self._changed:
+                job_id = self._changed.pop()  # a change meanwhile adds it again
+                try:
+                    self._keep((await self._federation.get_job(job_id)).job)
+                except NotFoundError:  # an event names no job the store has: nothing to show
+                    continue
+            return list(self._views.values())
 
     def _task(self, job: JobRecord) -> str:
         task = self._tasks.get(job.id)
@@ -219,5 +257,5 @@ def live_read_model(federation: Federation, feed: LiveFeed) -> ReadModel:
     """The read model of a running server; ``feed`` must be among its event sinks."""
     fleet = LiveFleet(federation)
     jobs = LiveJobs(federation, fleet)
-    feed.on_change(jobs.changed)
+    feed.on_event(jobs.seen)
     return ReadModel(jobs=jobs, fleet=fleet, changes=feed)
