@@ -301,6 +301,17 @@ ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
     ("flotilla/p2p/averaging.py", "super()._communicate_with_peer"): (
         "remote parts go through hivemind's per-peer exchange; only the local part differs"
     ),
+    ("flotilla/p2p/averaging.py", "super()._step"): (
+        "the commit gate must know which step a round serves; hivemind runs each step as "
+        "this coroutine in its averaging process, with no public hook"
+    ),
+    ("flotilla/p2p/averaging.py", "super()._apply"): (
+        "SafeAverager gates CompleteRounds' own commit (a method of ours, one class up)"
+    ),
+    ("flotilla/p2p/averaging.py", "step._uid"): (
+        "a step's only identity both processes share is its future's id; StepControl has "
+        "no public one"
+    ),
     ("flotilla/p2p/swarm.py", "super()._average_gradients_and_load_into_optimizer"): (
         "hivemind.Optimizer falls back to local gradients silently; counting averaged epochs "
         "wraps the one step that averages"
