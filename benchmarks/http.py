@@ -7,9 +7,9 @@ one canned update, so the numbers are about the platform) and at least 20 jobs: 
 ones seeded into the store (one with 1,000 rounds, 300 with ``--quick``; the rest 10 each)
 and the ones run here on the synthetic 100k-parameter task, 50 devices a round:
 
-- a warm-up job, then jobs of 5 rounds alternately with no dashboard open and with 50
+- a warm-up job, then jobs of 10 rounds alternately with no dashboard open and with 50
   dashboards subscribed to ``/api/v1/events`` (another process; each refetches what a
-  change names, as the page does), 4 of each (2 with ``--quick``): the median round time
+  change names, as the page does), 3 of each (2 with ``--quick``): the median round time
   of each kind, so that drift in a shared machine falls on both;
 - a job running while another process reads, one request at a time: p50/p99 latency of
   the jobs list, the big job's rounds and the devices list.
@@ -321,7 +321,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             watched += await run_watched(server, base, token, f"watched-{block}", args.rounds)
         paths = ["/api/v1/jobs", f"/api/v1/jobs/{big_job}/rounds", "/api/v1/devices"]
         reader = child("--measure", base, token, str(args.requests), *paths)
-        busy = asyncio.ensure_future(run_job(server, "busy", 60 if not args.quick else 20))
+        busy = asyncio.ensure_future(run_job(server, "busy", args.busy_rounds))
         out, _ = await asyncio.to_thread(reader.communicate)
         latency = json.loads(out)
         await busy
@@ -394,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.rounds = 10  # per block; blocks of jobs alone and watched alternate
     args.blocks = 2 if args.quick else 3
+    args.busy_rounds = 20 if args.quick else 60  # runs while the reads are timed
     args.rounds_big = 300 if args.quick else 1000
     args.requests = 100 if args.quick else 400
     work = Path(tempfile.mkdtemp(prefix="flotilla-bench-http-"))

@@ -42,7 +42,7 @@ def changes_of(event: Event) -> tuple[Change, ...]:
 
 class LiveFeed:
     """Fans the federation's changes out to any number of subscribers; hooks hear each
-    event and change synchronously, inside ``emit`` (the read model keeps up with them).
+    event synchronously, inside ``emit`` (the read model keeps up with them).
 
     ``emit`` costs the same whatever the number of subscribers: it stamps the change with
     a sequence number in one table of the latest stamp per distinct change, and resolves
@@ -58,8 +58,7 @@ class LiveFeed:
         self._min_interval_s = min_interval_s
         self._told_at: dict[str, float] = {}
         self._held: set[Change] = set()
-        self._hooks: list[Callable[[Change], None]] = []
-        self._event_hooks: list[Callable[[Event], None]] = []
+        self._hooks: list[Callable[[Event], None]] = []
         self._seq = 0
         #: Distinct change -> the sequence number of its latest occurrence, oldest first.
         self._latest: dict[Change, int] = {}
@@ -67,30 +66,22 @@ class LiveFeed:
         self._closed = False
         self.subscribers = 0
 
-    def on_change(self, hook: Callable[[Change], None]) -> None:
-        self._hooks.append(hook)
-
     def on_event(self, hook: Callable[[Event], None]) -> None:
         """``hook`` hears each event inside ``emit``, before any subscriber hears of it."""
-        self._event_hooks.append(hook)
+        self._hooks.append(hook)
 
     def emit(self, event: Event) -> None:
-        for event_hook in self._event_hooks:
+        for hook in self._hooks:
             try:
-                event_hook(event)
+                hook(event)
             except Exception:
                 log.exception("live feed hook failed on %s", event)
         for change in changes_of(event):
             self.tell(change)
 
     def tell(self, change: Change) -> None:
-        """Hand ``change`` to every hook and subscriber (also for changes no event names,
-        such as a volunteer run's status)."""
-        for hook in self._hooks:
-            try:
-                hook(change)
-            except Exception:
-                log.exception("live feed hook failed on %s", change)
+        """Hand ``change`` to every subscriber (also for changes no event names, such as a
+        volunteer run's status)."""
         if change.kind == "job":
             self._publish(change)
             return
