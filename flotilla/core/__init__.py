@@ -9,6 +9,7 @@
 - ``blobstore``: :class:`BlobStore`, content-addressed checkpoints on disk.
 - ``update``: :class:`Update`, one device's contribution to a round.
 - ``device``: :class:`DeviceProfile`.
+- ``conditions``: :class:`DeviceConditions`, battery, power, network and heat at each poll.
 - ``records``: the durable rows (jobs, rounds, participations, devices).
 - ``commit_rules``: what every ledger enforces on round commits and job states.
 - ``round_config``: :class:`RoundConfig`, the config a training task carries, parsed.
@@ -18,6 +19,7 @@
 
 from flotilla.core.blobs import CHUNK_BYTES, BlobAssembler, iter_chunks, sha256_hex
 from flotilla.core.blobstore import BlobStore
+from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import (
     AuthError,
@@ -63,6 +65,7 @@ __all__ = [
     "AuthError",
     "BlobAssembler",
     "BlobStore",
+    "DeviceConditions",
     "DeviceProfile",
     "DeviceRecord",
     "FlatState",

@@ -19,6 +19,7 @@ from pathlib import Path
 from flotilla.core.access import Scope
 from flotilla.core.blobs import CHUNK_BYTES
 from flotilla.core.blobstore import BlobStore
+from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError
 from flotilla.core.events import BytesSent, DeviceChanged, EventSink, Fanout, PollAnswered
@@ -154,9 +155,14 @@ class Federation:
     # --- a device's side -----------------------------------------------------------------
 
     async def poll(
-        self, device: DeviceRecord, profile: DeviceProfile | None, p2p_peer_id: str = ""
+        self,
+        device: DeviceRecord,
+        profile: DeviceProfile | None,
+        p2p_peer_id: str = "",
+        conditions: DeviceConditions | None = None,
     ) -> TrainTask | None:
-        """The device's next task, waited for a while; None when there is none yet."""
+        """The device's next task, waited for a while; None when there is none yet.
+        ``conditions`` (battery, power, network) decide which jobs may select it."""
         if p2p_peer_id:
             self._hosted.rendezvous.peer_seen(device.id, p2p_peer_id)
         await self._devices.seen(device, profile)
