@@ -52,6 +52,8 @@ class WorkOrder:
     delta_base_sha256: str = ""
     delta_sha256: str = ""
     delta_size: int = 0
+    #: The uplink codec this device must use; ``""``: the job's ``compression.uplink``.
+    uplink_codec: str = ""
 
     @property
     def ref(self) -> RoundRef:

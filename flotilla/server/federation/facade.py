@@ -215,6 +215,14 @@ class Federation:
         hold_s = self._config.timeouts.report_hold_s
         return await self._uploads.report(device.id, ref, report, hold_s)
 
+    def report_failure(self, device: DeviceRecord, ref: RoundRef, reason: str) -> None:
+        """The device gives up its round with a reason (unplugged, on a metered network,
+        training failed); the round counts it as a dropout at once."""
+        self._gateway.give_up(device.id, ref, f"reported: {reason or 'no reason given'}")
+        log.info(
+            "device %s gave up round %s of job %s (%s)", device.id, ref.round, ref.job_id, reason
+        )
+
     def leave(self, device: DeviceRecord, reason: str) -> None:
         self._gateway.leave(device.id, reason or "no reason given")
         self._events.emit(DeviceChanged(device.id, "offline"))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from flotilla.core.errors import StaleRoundError, UpdateRejected, WireError
 from flotilla.core.update import Update
+from flotilla.core.work import RoundRef
 from flotilla.engine.backend import Delivered, Failed, Reported, RoundResult, TrainTask
 from flotilla.scheduling import DeviceEvents, DevicePool
 
@@ -298,6 +299,16 @@ class Gateway:
                 self.events.freed(device_id, open_round.task.order.job_id)
                 open_round.announce()  # it may have been asked to upload a model
         self._offers.pop(device_id, None)
+
+    def give_up(self, device_id: str, ref: RoundRef, reason: str) -> None:
+        """The device will not finish the round ``ref`` names (its conditions changed, its
+        training failed): a dropout now, not at the deadline. StaleRoundError when that round
+        does not expect it."""
+        open_round = self.expect(device_id, ref.job_id, ref.round, ref.round_token)
+        open_round.pending.discard(device_id)
+        open_round.results.put_nowait(Failed(device_id, reason))
+        self.events.freed(device_id, open_round.task.order.job_id)
+        open_round.announce()
 
     def leave(self, device_id: str, reason: str) -> None:
         """The device signed off: it fails what it owes and goes offline, free of any job."""
