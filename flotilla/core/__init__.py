@@ -10,6 +10,7 @@
 - ``update``: :class:`Update`, one device's contribution to a round.
 - ``device``: :class:`DeviceProfile`.
 - ``conditions``: :class:`DeviceConditions`, battery, power, network and heat at each poll.
+- ``eligibility``: a job's ``[eligibility]`` policy and the one function that judges it.
 - ``records``: the durable rows (jobs, rounds, participations, devices).
 - ``commit_rules``: what every ledger enforces on round commits and job states.
 - ``round_config``: :class:`RoundConfig`, the config a training task carries, parsed.

@@ -15,6 +15,9 @@ class DeviceProfile:
     gflops: float = 0.0
     memory_bytes: int = 0
     upload_bytes_per_s: float = 0.0
+    #: What kind of device it says it is (``phone``, ``sbc``, ``laptop``, ``gpu``...); jobs
+    #: may restrict selection to some classes (``[eligibility] device_classes``).
+    device_class: str = ""
     extra: Mapping[str, float] = field(default_factory=dict)
 
     def numbers(self) -> dict[str, float]:
