@@ -8,8 +8,10 @@ the console stays clean, and it fits a phone. Screenshots: ``test-artifacts/dash
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -129,6 +131,13 @@ def test_a_simulation_is_watched_while_it_runs(
         "--no-progress", "--set", "job.rounds=30", "--set", "job.clients_per_round=6",
         "--set", "job.min_quorum=3",
     )  # fmt: skip
+    # Its 30 rounds take about a second on this machine, less than a page needs to start:
+    # the run is held (SIGSTOP) after its first rounds, so the page surely meets it midway.
+    metrics = out / "metrics.jsonl"
+    wait_for(
+        "a first round written", lambda: metrics.exists() and metrics.read_text(), 60, every=0.02
+    )
+    os.kill(sim.pid, signal.SIGSTOP)
     with chromium() as driver:
         console = Console(driver)
         driver.get(url)
@@ -137,6 +146,8 @@ def test_a_simulation_is_watched_while_it_runs(
         wait_for("the job is listed", lambda: "small" in texts(driver, "tbody td a"), 60)
         driver.get(url.split("#")[0] + "#/jobs/job-0")  # same document: only the hash changes
         first = wait_for("a first point", lambda: count(driver, ACCURACY_POINTS), 60)
+        assert first < 30, first
+        os.kill(sim.pid, signal.SIGCONT)
         later = wait_for(
             "more points as rounds are written",
             lambda: count(driver, ACCURACY_POINTS) > first and count(driver, ACCURACY_POINTS),
