@@ -22,7 +22,8 @@ from tests.support.databases import database_url, deployment_database
 from tests.support.experiments import rows
 from tests.support.inproc import InProcessFederation, in_process_federation
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+# One worker runs the whole module (xdist group), so its module-scoped run happens once.
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.xdist_group(__name__)]
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"
 TARGET = 0.90

@@ -38,7 +38,8 @@ from tests.support.byzantine_task import ByzantineDigits
 from tests.support.databases import database_url, deployment_database
 from tests.support.inproc import InProcessFederation, in_process_federation
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+# One worker runs the whole module (xdist group), so its module-scoped run happens once.
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.xdist_group(__name__)]
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = REPO / "examples" / "digits.toml"

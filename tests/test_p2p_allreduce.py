@@ -20,8 +20,9 @@ import pytest
 from flotilla.p2p import start_dht
 from tests.support.lifetime import bound
 
-# Hivemind swarms are timing-bound: under xdist they run one at a time, on one worker.
-pytestmark = pytest.mark.xdist_group("hivemind")
+# Hivemind swarms are timing-bound: the tests of one group run one at a time on one worker
+# (volunteer runs in one group, server-coordinated and all-reduce rounds in the other).
+pytestmark = pytest.mark.xdist_group("hivemind-rounds")
 
 PEER = Path(__file__).parent / "support" / "peers" / "allreduce_peer.py"
 SIZE = 10_000_000

@@ -33,8 +33,9 @@ from flotilla.p2p import (
 )
 from flotilla.p2p.dht import publish_record
 
-# Hivemind swarms are timing-bound: under xdist they run one at a time, on one worker.
-pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("hivemind")]
+# Hivemind swarms are timing-bound: the tests of one group run one at a time on one worker
+# (volunteer runs in one group, server-coordinated and all-reduce rounds in the other).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("hivemind-rounds")]
 
 
 def _record(**kw: object) -> RunRecord:

@@ -34,8 +34,9 @@ from flotilla.scheduling import DevicePool, Leases
 from flotilla.server.federation.gateway import Gateway
 from tests.support.processes import AgentFleet, ServerProcess
 
-# Hivemind swarms are timing-bound: under xdist they run one at a time, on one worker.
-pytestmark = pytest.mark.xdist_group("hivemind")
+# Hivemind swarms are timing-bound: the tests of one group run one at a time on one worker
+# (volunteer runs in one group, server-coordinated and all-reduce rounds in the other).
+pytestmark = pytest.mark.xdist_group("hivemind-rounds")
 
 TASK = "pkg.mod:Task"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits.toml"

@@ -17,8 +17,9 @@ import pytest
 from flotilla.tasks.charlm import CharLMTask
 from tests.support.netimpair import Network, impaired_network
 
-# Hivemind swarms are timing-bound: under xdist they run one at a time, on one worker.
-pytestmark = pytest.mark.xdist_group("hivemind")
+# Hivemind swarms are timing-bound: the tests of one group run one at a time on one worker
+# (volunteer runs in one group, server-coordinated and all-reduce rounds in the other).
+pytestmark = pytest.mark.xdist_group("hivemind-volunteers")
 
 TASK = "flotilla.tasks.charlm:CharLMTask"
 PEER = Path(__file__).parent / "support" / "peers" / "allreduce_peer.py"

@@ -21,7 +21,8 @@ from tests.support.databases import database_url, deployment_database
 from tests.support.inproc import in_process_federation
 
 #: The module's jobs share one fleet and run once, for every test.
-pytestmark = pytest.mark.timeout(900)
+# One worker runs the whole module (xdist group), so its module-scoped run happens once.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group(__name__)]
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.toml"
 #: Parameters of the digits MLP (64-256-128-10), float32 on the wire.

@@ -19,8 +19,9 @@ import pytest
 from flotilla.tasks.charlm import CharLMTask
 from tests.support.lifetime import bound
 
-# Hivemind swarms are timing-bound: under xdist they run one at a time, on one worker.
-pytestmark = pytest.mark.xdist_group("hivemind")
+# Hivemind swarms are timing-bound: the tests of one group run one at a time on one worker
+# (volunteer runs in one group, server-coordinated and all-reduce rounds in the other).
+pytestmark = pytest.mark.xdist_group("hivemind-volunteers")
 
 TASK = "flotilla.tasks.charlm:CharLMTask"
 AVERAGING_TIMEOUT_S = 15.0
