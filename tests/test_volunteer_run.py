@@ -281,6 +281,7 @@ def test_a_federation_server_coordinates_a_volunteer_run_and_lists_it(
         server.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_crashed_coordinator_restarts_with_its_peer_id_and_its_run(
     peers: Peers, tmp_path: Path
