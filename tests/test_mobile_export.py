@@ -5,6 +5,7 @@ manifest a device app reads to drive it."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file
 
 from flotilla.core.blobs import sha256_hex
 from flotilla.core.errors import FlotillaError, SpecError
@@ -27,6 +29,7 @@ from flotilla.mobile.export import (
 from flotilla.mobile.manifest import ExportManifest
 from flotilla.tasks import load_model_state, model_state
 from flotilla.tasks.digits import DigitsTask
+from tests.support.docrun import REPO, parse_blocks, run_page
 from tests.support.live_grpc import LiveServer, live_server, run_cli
 
 pytest.importorskip("executorch.extension.training")
@@ -195,6 +198,8 @@ async def test_cli_exports_the_committed_model_of_a_real_server(tmp_path: Path) 
             timeout=120,
         )  # fmt: skip
         assert result.returncode == 0, result
+        assert f"job {job_id} round 1" in result.stdout and "model.pte" in result.stdout
+        assert "Traceback" not in result.stderr
         assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model.pte"]
         manifest = ExportManifest.read(out / "manifest.json")
         assert (manifest.job_id, manifest.round, manifest.task) == (job_id, 1, DIGITS)
@@ -231,3 +236,21 @@ async def test_cli_refuses_a_task_that_cannot_be_exported(tmp_path: Path) -> Non
         assert result.returncode == 2, result
         assert "task flotilla.tasks.synthetic:Linear100K cannot be exported" in result.stderr
         assert "Traceback" not in result.stderr and not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_page_exports_a_job_and_trains_it_as_a_device_would(tmp_path: Path) -> None:
+    page = REPO / "docs" / "mobile-export.md"
+    blocks = parse_blocks(page.read_text())
+    assert [b.file for b in blocks if b.file] == ["train_on_device.py"]
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    run = run_page(page, tmp_path, block_timeout=120.0)
+    tail = "\n".join(run.output.splitlines()[-40:])
+    assert run.timed_out_block is None and run.returncode == 0, tail
+    before, after = map(float, re.findall(r"loss ([0-9.]+) -> ([0-9.]+)", run.output)[0])
+    assert after < 0.8 * before, tail
+    manifest = ExportManifest.read(tmp_path / "phone" / "manifest.json")
+    assert manifest.round == 0
+    trained = load_file(tmp_path / "trained.safetensors")
+    assert sorted(trained) == sorted(p.name for p in manifest.parameters)

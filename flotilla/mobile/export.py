@@ -11,6 +11,10 @@ dependency (the ``mobile-export`` extra), imported only here and only when expor
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -84,12 +88,27 @@ def check_exportable_job(spec: JobSpec) -> None:
         )
 
 
+@contextlib.contextmanager
+def _quiet(*loggers: str) -> Iterator[None]:
+    """Hold these loggers to errors: importing ExecuTorch warns about GPU kernels (torchao)
+    and deprecated pytree calls that say nothing to someone exporting a model."""
+    saved = [(logging.getLogger(name), logging.getLogger(name).level) for name in loggers]
+    for logger, _ in saved:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in saved:
+            logger.setLevel(level)
+
+
 def executorch_version() -> str:
     """The installed ExecuTorch's version, or a FlotillaError that says how to install it."""
     try:
         from importlib.metadata import version
 
-        import executorch.exir  # noqa: F401
+        with _quiet("torchao", "torch.utils._pytree"):
+            import executorch.exir  # noqa: F401
     except ImportError as exc:
         raise FlotillaError(
             f"exporting for ExecuTorch needs executorch=={EXECUTORCH_VERSION}: {INSTALL_HINT} "
@@ -196,14 +215,17 @@ def lower(
     from torch.export.experimental import _export_forward_backward
 
     batch = Dim("batch", min=1, max=max_batch)
-    traced = export(step, example, dynamic_shapes=tuple({0: batch} for _ in example), strict=True)
-    joint = _export_forward_backward(traced)
-    trained = tuple(joint.graph_signature.parameters)
-    if sorted(trained) != sorted(expected_names):
-        raise FlotillaError(
-            f"the exported program trains {sorted(trained)}, expected {sorted(expected_names)}"
-        )
-    return bytes(to_edge(joint).to_executorch().buffer)
+    with warnings.catch_warnings():  # torch 2.13's own export internals use a deprecated API
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)`", FutureWarning)
+        dynamic = tuple({0: batch} for _ in example)
+        traced = export(step, example, dynamic_shapes=dynamic, strict=True)
+        joint = _export_forward_backward(traced)
+        trained = tuple(joint.graph_signature.parameters)
+        if sorted(trained) != sorted(expected_names):
+            raise FlotillaError(
+                f"the exported program trains {sorted(trained)}, expected {sorted(expected_names)}"
+            )
+        return bytes(to_edge(joint).to_executorch().buffer)
 
 
 def _input(name: str, tensor: torch.Tensor) -> BatchInput:
