@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 from flotilla.core.errors import SpecError
 from flotilla.core.spec import build_dataclass
@@ -177,21 +177,15 @@ def _require_all(cls: type[Any], data: Any, source: str, prefix: str) -> None:
     """Every field present, at every depth: a manifest has no defaults to fall back on."""
     if not isinstance(data, Mapping):
         return  # build_dataclass names the wrong type
-    hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    hints = get_type_hints(cls)
     missing = [name for name in hints if name not in data]
     if missing:
         raise SpecError(f"{source}: missing field(s) {', '.join(prefix + m for m in missing)}")
-    nested = {
-        "program": ProgramInfo,
-        "training": TrainingSettings,
-        "inputs": BatchInput,
-        "parameters": ParameterEntry,
-    }
-    for name, kind in nested.items():
-        if name not in hints:
-            continue
+    for name, hint in hints.items():
         value = data[name]
-        items = value if isinstance(value, list) else [value]
-        for i, item in enumerate(items):
-            where = f"{prefix}{name}[{i}]." if isinstance(value, list) else f"{prefix}{name}."
-            _require_all(kind, item, source, where)
+        if dataclasses.is_dataclass(hint):
+            _require_all(hint, value, source, f"{prefix}{name}.")  # type: ignore[arg-type]
+        item = (get_args(hint) or (None,))[0]
+        if get_origin(hint) is tuple and dataclasses.is_dataclass(item) and isinstance(value, list):
+            for i, entry in enumerate(value):
+                _require_all(item, entry, source, f"{prefix}{name}[{i}].")  # type: ignore[arg-type]
