@@ -19,7 +19,7 @@ from tests.support.lifetime import bound
 
 SUBPACKAGES = [
     "core", "compression", "aggregation", "scheduling", "engine", "client", "tasks", "server",
-    "proto", "simulation", "p2p", "report",
+    "proto", "simulation", "p2p", "report", "mobile",
 ]  # fmt: skip
 
 
@@ -62,6 +62,11 @@ HEAVY_CHECKS = {
         "flotilla.server", "flotilla.client", "flotilla.aggregation", "torch", "grpc",
         "sqlalchemy",
     ),
+    # A device reads an exported program's manifest without torch; ExecuTorch is loaded
+    # only when a program is exported.
+    "flotilla.mobile": ("torch", "executorch", "grpc", "flotilla.tasks"),
+    "flotilla.mobile.manifest": ("torch", "executorch", "grpc", "flotilla.tasks"),
+    "flotilla.mobile.export": ("executorch", "grpc", "sqlalchemy", "flotilla.server"),
 }  # fmt: skip
 
 

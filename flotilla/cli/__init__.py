@@ -9,6 +9,7 @@ runs, so ``flotilla --help`` loads neither grpc nor the database stack.
 - ``remote``: :class:`RemoteServer`, the operator's gRPC client the ``job`` and
   ``devices`` commands use, and the JSON shapes they print.
 - ``watch``, ``plot``: ``job status --watch`` and ``job plot``.
+- ``export``: ``job export --format executorch`` (an on-device training program).
 - ``console``: where log lines go (short on the console, details at ``-v`` or in
   ``--log-file``), clear of progress bars.
 """

@@ -54,9 +54,21 @@ def add_job_parser(commands: Any) -> None:
     plot = add("plot", "PNG charts of a job's rounds (the plots extra)", _job_plot)
     plot.add_argument("job_id")
     plot.add_argument("--out", type=Path, required=True, help="directory for the PNG files")
-    export = add("export", "download a job's latest model as safetensors", _job_export)
+    export = add(
+        "export",
+        "download a job's latest model as safetensors, or as an ExecuTorch training program",
+        _job_export,
+    )
     export.add_argument("job_id")
-    export.add_argument("--out", type=Path, required=True)
+    export.add_argument(
+        "--out", type=Path, required=True,
+        help="the .safetensors file; with --format executorch, a directory",
+    )  # fmt: skip
+    export.add_argument(
+        "--format", choices=("safetensors", "executorch"), default="safetensors",
+        help="executorch: DIR/model.pte (on-device training) and DIR/manifest.json; "
+        "needs the mobile-export extra",
+    )  # fmt: skip
 
 
 def add_devices_parser(commands: Any) -> None:
@@ -210,6 +222,11 @@ def _job_plot(args: argparse.Namespace) -> int:
 
 
 def _job_export(args: argparse.Namespace) -> int:
+    if args.format == "executorch":
+        from flotilla.cli.export import export_executorch
+
+        return export_executorch(args, _remote(args))
+
     async def go() -> int:
         async with _remote(args) as remote:
             data = await remote.export(args.job_id)

@@ -2,9 +2,10 @@
 
 Module map:
 
-- :mod:`flotilla.tasks.base` -- the :class:`Task` protocol, :class:`Shard`, :class:`LocalData`,
-  :func:`load_task` (entry points like ``"flotilla.tasks.digits:DigitsTask"``) and the
-  torch <-> numpy model-state conversion.
+- :mod:`flotilla.tasks.base` -- the :class:`Task` protocol (and :class:`ExportableTask`, the
+  optional one a task implements to be exported for on-device training), :class:`Shard`,
+  :class:`LocalData`, :func:`load_task` (entry points like
+  ``"flotilla.tasks.digits:DigitsTask"``) and the torch <-> numpy model-state conversion.
 - :mod:`flotilla.tasks.device` -- :class:`ShardTraining`, a task on one device's data (numpy
   model in, trained numpy model out), injected into the agent's trainer.
 - :mod:`flotilla.tasks.digits` -- :class:`DigitsTask`, the offline reference task (MLP on
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from flotilla.tasks.base import (
     Examples,
+    ExportableTask,
     LocalData,
     Shard,
     Task,
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DigitsTask",
     "Examples",
+    "ExportableTask",
     "Linear10M",
     "Linear100K",
     "LocalData",

@@ -101,6 +101,21 @@ class Task(Protocol):
         ...
 
 
+@runtime_checkable
+class ExportableTask(Task, Protocol):
+    """A task whose local training step can leave Python (``flotilla job export --format
+    executorch``): the model and its loss as one module, traced on an example batch."""
+
+    def training_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A module over ``model``'s own parameters whose ``forward(inputs, labels)`` returns
+        the batch's mean training loss first (the loss ``train`` minimises), then anything."""
+        ...
+
+    def example_batch(self, batch_size: int) -> Examples:
+        """Inputs and labels of one batch, shaped and typed as devices will feed them."""
+        ...
+
+
 def load_task(entrypoint: str) -> Task:
     """Import ``package.module:Name`` and instantiate it, so job specs can name any task."""
     module_name, sep, attr = (

@@ -92,6 +92,26 @@ class DigitsMLP(nn.Module):
         return self.net(x * 2.0 - 1.0)  # type: ignore[no-any-return]
 
 
+class DigitsTrainingStep(nn.Module):
+    """The digits model and its loss as one module: what an exported training program runs.
+
+    Returns the batch's mean cross-entropy (the loss :meth:`DigitsTask.train` minimises) and
+    the predicted labels, so a device can count its training accuracy too.
+    """
+
+    #: Names of :meth:`forward`'s outputs, for the exported program's manifest.
+    output_names = ("loss", "predictions")
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        return loss, logits.detach().argmax(dim=1)
+
+
 @dataclass(frozen=True, slots=True)
 class AugmentParams:
     """``data.params`` of the digits task."""
@@ -252,6 +272,14 @@ class DigitsTask:
         n_val = max(1, round(VAL_FRACTION * len(order)))
         val, train = order[:n_val], order[n_val:]
         return LocalData(train=_tensors(x, y, train), val=_tensors(x, y, val))
+
+    def training_module(self, model: nn.Module) -> nn.Module:
+        """:class:`ExportableTask`: the model with its loss, for on-device training."""
+        return DigitsTrainingStep(model)
+
+    def example_batch(self, batch_size: int) -> Examples:
+        """:class:`ExportableTask`: ``batch_size`` blank images (pixels in [0, 1]) and labels."""
+        return torch.zeros(batch_size, 64), torch.zeros(batch_size, dtype=torch.int64)
 
     def heldout(self) -> Examples:
         _, _, x_held, y_held = self._data()

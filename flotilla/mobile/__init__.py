@@ -1,0 +1,17 @@
+"""Edge and mobile devices: what a phone or a single-board computer needs to join a job.
+
+Module map:
+
+- :mod:`flotilla.mobile.manifest` -- :class:`ExportManifest`, the versioned JSON beside an
+  exported training program (parameter names, shapes and SHA-256s, inputs, the job's
+  optimiser settings); torch-free.
+- :mod:`flotilla.mobile.export` -- ``flotilla job export --format executorch``: a job's
+  model and loss as an ExecuTorch training program (``.pte``; the ``mobile-export`` extra).
+
+Importing this package imports nothing: each module is imported by whoever needs it, so a
+torch-free device never loads the exporter.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
