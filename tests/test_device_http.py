@@ -4,14 +4,26 @@ uploads resume after broken connections; a digits job takes HTTP and gRPC device
 
 from __future__ import annotations
 
+import hashlib
+import random
 from pathlib import Path
 
 import pytest
 
-from tests.support.device_http import enrolled, off_loop, small_update, task_of
+from flotilla.mobile.lite.http import HttpDevice
+from tests.support.cutproxy import cut_proxy
+from tests.support.device_http import (
+    DEVICE_TIMEOUTS,
+    enrolled,
+    off_loop,
+    small_update,
+    task_of,
+)
 from tests.support.http_server import http_server, quick_toml, wait_until
 
 pytestmark = pytest.mark.timeout(120)
+
+CHUNK = 16 * 1024
 
 
 async def test_an_http_device_enrols_polls_downloads_uploads_and_its_round_commits(
@@ -25,7 +37,7 @@ async def test_an_http_device_enrols_polls_downloads_uploads_and_its_round_commi
         receipt = await off_loop(device.download_model, task.order, tmp_path / "model.st")
         update = small_update(receipt.path.read_bytes())
         sent = await off_loop(device.upload, task.order, update, 7)
-        assert sent.accepted and sent.bytes_sent == len(update) and sent.resumes == 0
+        assert sent.accepted and sent.bytes_sent == len(update) and sent.broken_calls == 0
 
         async def committed() -> bool:
             return (await s.fleet.status(job["id"]))["rounds_committed"] == 1
@@ -33,3 +45,54 @@ async def test_an_http_device_enrols_polls_downloads_uploads_and_its_round_commi
         await wait_until(committed, 30, "round 1")
         rows = await s.server.store.list_participations(job["id"])
         assert [(p.device_id, p.num_samples) for p in rows] == [(device.credential.device_id, 7)]
+
+
+async def test_an_upload_cut_at_five_random_offsets_resumes_and_commits_once(
+    db_url: str, tmp_path: Path
+) -> None:
+    async with http_server(tmp_path / "state", db_url) as s:
+        direct = await enrolled(s.base, await s.fleet.enrol_token())
+        status, job = await s.submit_toml(quick_toml(rounds=1, clients=1))
+        assert status == 201, job
+        task = await task_of(direct, job["id"])
+        model = await off_loop(direct.download_model, task.order, tmp_path / "model.st")
+        update = small_update(model.path.read_bytes())
+        cuts = sorted(random.Random(15).sample(range(300, len(update)), 5))
+        async with cut_proxy(s.server.http_port or 0, cut_up=cuts) as proxy:
+            flaky = HttpDevice(
+                f"http://127.0.0.1:{proxy.port}", direct.credential, DEVICE_TIMEOUTS
+            )
+            sent = await off_loop(flaky.upload, task.order, update, 5, chunk_bytes=CHUNK)
+        assert proxy.cuts_done == 5 and sent.accepted and sent.broken_calls == 5, (proxy, sent)
+        # Each break costs at most the chunk it cut: resumed from the last one acknowledged.
+        assert len(update) <= sent.bytes_sent <= len(update) + 5 * CHUNK
+
+        async def committed() -> bool:
+            return (await s.fleet.status(job["id"]))["rounds_committed"] == 1
+
+        await wait_until(committed, 30, "round 1")
+        rows = await s.server.store.list_participations(job["id"])
+        assert [(p.device_id, p.num_samples) for p in rows] == [(direct.credential.device_id, 5)]
+        again = await off_loop(direct.upload_status, sent.upload_id)
+        assert again["state"] == "accepted" and again["missing"] == []
+
+
+async def test_a_download_cut_midway_resumes_with_range_and_the_sha256_matches(
+    db_url: str, tmp_path: Path
+) -> None:
+    async with http_server(tmp_path / "state", db_url) as s:
+        direct = await enrolled(s.base, await s.fleet.enrol_token())
+        status, job = await s.submit_toml(quick_toml(rounds=1, clients=1))
+        assert status == 201, job
+        task = await task_of(direct, job["id"])
+        size = task.order.model_size
+        async with cut_proxy(s.server.http_port or 0, cut_down=[size // 2, size]) as proxy:
+            flaky = HttpDevice(
+                f"http://127.0.0.1:{proxy.port}", direct.credential, DEVICE_TIMEOUTS
+            )
+            got = await off_loop(flaky.download_model, task.order, tmp_path / "model.st")
+        assert proxy.cuts_done == 2 and len(got.resumed_at) == 2, (proxy, got)
+        assert 0 < got.resumed_at[0] < got.resumed_at[1] < size
+        data = got.path.read_bytes()
+        assert len(data) == size and hashlib.sha256(data).hexdigest() == task.order.model_sha256
+        assert not (tmp_path / "model.st.part").exists()

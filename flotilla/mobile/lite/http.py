@@ -70,9 +70,10 @@ class UploadReceipt:
     upload_id: str
     accepted: bool
     detail: str
-    #: Payload bytes sent in chunks, counting resent ones; and broken calls survived.
+    #: Payload bytes sent in chunks, counting resent ones.
     bytes_sent: int
-    resumes: int
+    #: Calls of this upload whose connection broke, and were survived.
+    broken_calls: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +136,8 @@ class HttpDevice:
         self._retries = retries
         self._rng = rng or random.Random()
         self._sleep = sleep
+        #: Calls whose connection failed, since this object was made.
+        self.broken_calls = 0
 
     # --- one call ------------------------------------------------------------------------
 
@@ -174,6 +177,7 @@ class HttpDevice:
             raw = response.read()
             answer = _Answer(response.status, _json(raw), dict(response.getheaders()))
         except (OSError, http.client.HTTPException) as exc:
+            self.broken_calls += 1
             raise Unreachable(f"{method} {PREFIX}{path}: {type(exc).__name__}: {exc}") from exc
         finally:
             conn.close()
@@ -315,6 +319,7 @@ class HttpDevice:
             "num_samples": num_samples,
             "metrics": dict(metrics or {}),
         }
+        broken_before = self.broken_calls
         created = self._retrying(
             lambda: self._call("POST", "/uploads", self.timeouts.transfer_s, body)
         ).body
@@ -327,15 +332,18 @@ class HttpDevice:
                 if state.ask:
                     settled = self._resume_point(state)
                     if settled is not None:
-                        return UploadReceipt(upload_id, True, settled, state.sent, state.resumes)
+                        verdict = settled
+                        break
                 verdict = self._send_rest(state)
-                return UploadReceipt(upload_id, True, verdict, state.sent, state.resumes)
+                break
             except Unreachable:
                 state.resumes += 1
                 if state.resumes > self._retries or time.monotonic() > deadline:
                     raise
                 self._backoff(state.resumes - 1)
                 state.ask = True
+        broken = self.broken_calls - broken_before
+        return UploadReceipt(upload_id, True, verdict, state.sent, broken)
 
     def _send_rest(self, state: _Sending) -> str:
         for start, end in list(state.missing):

@@ -87,8 +87,8 @@ class DeviceRoutes:
 
         try:
             raw = await asyncio.wait_for(read(), self._s.timeouts.upload_idle_s)
-        except asyncio.TimeoutError:
-            raise WireError(f"{where}: the body did not arrive in time") from None
+        except (asyncio.TimeoutError, ConnectionError):
+            raise WireError(f"{where}: the body did not arrive whole, in time") from None
         return wire.loads(raw, where)
 
     # --- enrolment and work --------------------------------------------------------------
