@@ -78,9 +78,9 @@ class Fields:
             raise WireError(f"{self._where}: '{name}' must be 64 lowercase hex digits")
         return value
 
-    def obj(self, name: str) -> Any:
+    def obj(self, name: str, required: bool = False) -> Any:
         """A nested value, parsed by the caller; None when absent (or null)."""
-        return self._get(name, required=False)
+        return self._get(name, required)
 
     def done(self) -> None:
         unknown = sorted(set(self._data) - self._seen)
@@ -133,7 +133,7 @@ def enrol_request(data: object) -> tuple[str, DeviceProfile]:
     if version != PROTOCOL:
         raise WireError(f"protocol version {version} not supported; this server speaks {PROTOCOL}")
     token = f.text("token")
-    made = profile(f.obj("profile"), "enrol request: profile")
+    made = profile(f.obj("profile", required=True), "enrol request: profile")
     f.done()
     return token, made
 
