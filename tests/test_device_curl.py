@@ -129,13 +129,19 @@ async def test_curl_alone_takes_part_in_a_round_by_following_the_protocol(
 ) -> None:
     async with http_server(tmp_path / "state", db_url) as s:
         curl = Curl(f"{s.base}/device/v1", tmp_path)
-        enrol = {"protocol": 1, "token": await s.fleet.enrol_token(), "profile": {"tasks": [DIGITS]}}
+        enrol = {
+            "protocol": 1,
+            "token": await s.fleet.enrol_token(),
+            "profile": {"tasks": [DIGITS]},
+        }
         made = await curl.json("POST", "/enrol", "enrol-request", enrol, "enrol-response")
         curl.auth = f"{made['device_id']}:{made['credential']}"
         job = await _job(s)
         task = await _poll_until_task(curl, job)
         beat = {"round_token": task["round_token"], "conditions": {"charging": True}}
-        alive = await curl.json("POST", "/heartbeat", "heartbeat-request", beat, "heartbeat-response")
+        alive = await curl.json(
+            "POST", "/heartbeat", "heartbeat-request", beat, "heartbeat-response"
+        )
         assert alive["round_open"] is True
         model = await _fetch_in_two_parts(curl, task, tmp_path / "model.safetensors")
         await _upload(curl, task, small_update(model))
@@ -146,7 +152,9 @@ async def test_curl_alone_takes_part_in_a_round_by_following_the_protocol(
         await wait_until(committed, 30, "round 1")
         rows = await s.server.store.list_participations(job)
         assert [(p.device_id, p.num_samples) for p in rows] == [(made["device_id"], 9)]
-        bye = await curl.json("POST", "/leave", "leave-request", {"reason": "done"}, "leave-response")
+        bye = await curl.json(
+            "POST", "/leave", "leave-request", {"reason": "done"}, "leave-response"
+        )
         assert bye["left"] is True
 
 

@@ -33,6 +33,4 @@ def check(name: str, instance: Any) -> None:
     doc = json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text())
     validator = Draft202012Validator(doc, registry=_registry())
     errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.path))
-    assert not errors, f"{name}: " + "; ".join(
-        f"{list(e.path)}: {e.message}" for e in errors[:5]
-    )
+    assert not errors, f"{name}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors[:5])

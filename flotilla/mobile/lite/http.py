@@ -424,9 +424,7 @@ def offered_task(task: Any) -> OfferedTask:
         delta_size=_field(task, "delta_size", int),
         uplink_codec=_field(task, "uplink_codec", str),
     )
-    return OfferedTask(
-        order, _field(task, "transport", str), _field(task, "max_upload_bytes", int)
-    )
+    return OfferedTask(order, _field(task, "transport", str), _field(task, "max_upload_bytes", int))
 
 
 def _field(obj: Any, name: str, kind: type | tuple[type, ...]) -> Any:

@@ -199,9 +199,7 @@ class DeviceRoutes:
                 "payload_too_large",
                 f"update of {header.payload_size} bytes exceeds the limit of {limit}",
             )
-        reservation = await self._federation.reserve_upload(
-            device, header.ref, header.payload_size
-        )
+        reservation = await self._federation.reserve_upload(device, header.ref, header.payload_size)
         expires = task.order.deadline + self._s.timeouts.upload_grace_s
         upload = self._staging.create(device.id, header, expires, reservation)
         return respond(self._upload_json(upload), 201)
@@ -264,9 +262,7 @@ class DeviceRoutes:
                 self._clock() - upload.reserved_at < held.ttl_s - self._s.timeouts.heartbeat_s
             )
             if not fresh or held is None:
-                held = await self._federation.reserve_upload(
-                    device, upload.header.ref, upload.size
-                )
+                held = await self._federation.reserve_upload(device, upload.header.ref, upload.size)
             upload.reservation = None
             header = dataclasses.replace(upload.header, reservation=held.key)
             await self._federation.submit_update(device, header, self._staging.chunks(upload))
@@ -350,7 +346,9 @@ def _must_be_open(upload: StagedUpload) -> None:
         raise DeviceRefusal(409, "finalizing", f"upload {upload.id} is being finalized")
     if upload.state != "open":
         raise DeviceRefusal(
-            410, "gone", f"upload {upload.id} is {upload.state} ({upload.detail}); it takes no chunks"
+            410,
+            "gone",
+            f"upload {upload.id} is {upload.state} ({upload.detail}); it takes no chunks",
         )
 
 
@@ -361,7 +359,9 @@ def _must_be_unsettled(upload: StagedUpload) -> None:
         )
     if upload.state != "open":
         raise DeviceRefusal(
-            409, "already_finalized", f"upload {upload.id} was already {upload.state}: {upload.detail}"
+            409,
+            "already_finalized",
+            f"upload {upload.id} was already {upload.state}: {upload.detail}",
         )
 
 
