@@ -4,13 +4,17 @@ uploads resume after broken connections; a digits job takes HTTP and gRPC device
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import random
 from pathlib import Path
 
 import pytest
 
+from flotilla.client import Agent, AgentConfig, LocalTrainer
 from flotilla.mobile.lite.http import HttpDevice
+from flotilla.tasks import Shard, ShardTraining
 from tests.support.cutproxy import cut_proxy
 from tests.support.device_http import (
     DEVICE_TIMEOUTS,
@@ -20,6 +24,7 @@ from tests.support.device_http import (
     task_of,
 )
 from tests.support.http_server import http_server, quick_toml, wait_until
+from tests.support.inproc import DIGITS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,3 +97,51 @@ async def test_a_download_cut_midway_resumes_with_range_and_the_sha256_matches(
         data = got.path.read_bytes()
         assert len(data) == size and hashlib.sha256(data).hexdigest() == task.order.model_sha256
         assert not (tmp_path / "model.st.part").exists()
+
+
+async def _http_rounds(device: HttpDevice, job_id: str, rounds: int, work: Path) -> None:
+    """An HTTP device serving ``rounds`` rounds of a job: poll, download, upload."""
+    for _ in range(rounds):
+        task = await task_of(device, job_id, timeout_s=60)
+        model = await off_loop(device.download_model, task.order, work / "model.st")
+        await off_loop(device.upload, task.order, small_update(model.path.read_bytes()), 20)
+
+
+@pytest.mark.timeout(180)
+async def test_http_devices_and_a_grpc_agent_contribute_to_the_same_committed_rounds(
+    db_url: str, tmp_path: Path
+) -> None:
+    async with http_server(tmp_path / "state", db_url) as s:
+        token = await s.fleet.enrol_token()
+        config = AgentConfig(
+            server=f"127.0.0.1:{s.server.port}",
+            token=token,
+            trainer=LocalTrainer(ShardTraining(DIGITS, Shard(0, 3))),
+            timeouts=DEVICE_TIMEOUTS,
+            speed_test_bytes=64 * 1024,
+        )
+        agent = Agent(config, rng=random.Random(1))  # gRPC to the server's agent port
+        run = asyncio.ensure_future(agent.run())
+        try:
+            phones = [await enrolled(s.base, token) for _ in range(2)]
+            status, job = await s.submit_toml(quick_toml(rounds=2, clients=3))
+            assert status == 201, job
+            dirs = [tmp_path / f"phone{i}" for i in range(2)]
+            for d in dirs:
+                d.mkdir()
+            await asyncio.gather(
+                *(_http_rounds(p, job["id"], 2, d) for p, d in zip(phones, dirs, strict=True))
+            )
+
+            async def committed() -> bool:
+                return (await s.fleet.status(job["id"]))["rounds_committed"] == 2
+
+            await wait_until(committed, 60, "both rounds")
+        finally:
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(run, 10)
+        rows = await s.server.store.list_participations(job["id"])
+        ids = {p.credential.device_id for p in phones if p.credential} | {agent.device_id}
+        for round_no in (1, 2):
+            assert {p.device_id for p in rows if p.round == round_no} == ids, rows
