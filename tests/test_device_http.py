@@ -23,6 +23,7 @@ from tests.support.device_http import (
     small_update,
     task_of,
 )
+from tests.support.device_schemas import check
 from tests.support.http_server import http_server, quick_toml, wait_until
 from tests.support.inproc import DIGITS
 
@@ -97,6 +98,19 @@ async def test_a_download_cut_midway_resumes_with_range_and_the_sha256_matches(
         data = got.path.read_bytes()
         assert len(data) == size and hashlib.sha256(data).hexdigest() == task.order.model_sha256
         assert not (tmp_path / "model.st.part").exists()
+        # Then it gives the round up (its conditions changed): recorded at once.
+        ref = task.order.ref
+        report = {"job_id": ref.job_id, "round": ref.round, "round_token": ref.round_token}
+        report["reason"] = "unplugged"
+        check("failure-request", report)
+        headers = {
+            "Authorization": f"Bearer {direct.credential.device_id}:{direct.credential.secret}"
+        }
+        async with s.http.post(f"{s.base}/device/v1/failure", json=report, headers=headers) as r:
+            assert r.status == 200 and r.headers["Flotilla-Protocol"] == "1"
+            check("failure-response", await r.json())
+        async with s.http.post(f"{s.base}/device/v1/failure", json=report, headers=headers) as r:
+            assert r.status == 410, "a round given up is no longer this device's"
 
 
 async def _http_rounds(device: HttpDevice, job_id: str, rounds: int, work: Path) -> None:
