@@ -19,7 +19,7 @@ import ssl
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,32 +80,26 @@ class UploadReceipt:
 class _Answer:
     status: int
     body: Any
-    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+#: Refusals by status (docs/protocol.md, "Errors"); 422 ``integrity`` is IntegrityError.
+_ERRORS: Mapping[int, type[FlotillaError]] = {
+    401: AuthError, 403: ForbiddenError, 404: NotFoundError, 409: ConflictError,
+    410: StaleRoundError, 422: UpdateRejected, 502: Unreachable, 503: Unreachable,
+    504: Unreachable,
+}  # fmt: skip
 
 
 def error_for(status: int, body: Any) -> FlotillaError:
-    """The core error a refusal stands for (docs/protocol.md, "Errors")."""
-    error = body.get("error", {}) if isinstance(body, dict) else {}
-    code = str(error.get("code", "")) if isinstance(error, dict) else ""
-    message = str(error.get("message", "")) if isinstance(error, dict) else ""
-    text = f"{message or 'refused'} (HTTP {status} {code})".strip()
-    if status == 401:
-        return AuthError(text)
-    if status == 403:
-        return ForbiddenError(text)
-    if status == 404:
-        return NotFoundError(text)
-    if status == 410:
-        return StaleRoundError(text)
-    if status == 422:
-        return IntegrityError(text) if code == "integrity" else UpdateRejected(text)
-    if status == 409:
-        return ConflictError(text)
-    if status in (502, 503, 504):
-        return Unreachable(text)
-    if 400 <= status < 500:
-        return WireError(text)
-    return FlotillaError(text)
+    """The core error a refusal stands for."""
+    error = body.get("error") if isinstance(body, dict) else None
+    error = error if isinstance(error, dict) else {}
+    code, message = str(error.get("code", "")), str(error.get("message", "") or "refused")
+    text = f"{message} (HTTP {status} {code})"
+    if code == "integrity":
+        return IntegrityError(text)
+    default = WireError if 400 <= status < 500 else FlotillaError
+    return _ERRORS.get(status, default)(text)
 
 
 class HttpDevice:
@@ -175,7 +169,7 @@ class HttpDevice:
             conn.request(method, PREFIX + path, body=data, headers=self._headers(extra))
             response = conn.getresponse()
             raw = response.read()
-            answer = _Answer(response.status, _json(raw), dict(response.getheaders()))
+            answer = _Answer(response.status, _json(raw))
         except (OSError, http.client.HTTPException) as exc:
             self.broken_calls += 1
             raise Unreachable(f"{method} {PREFIX}{path}: {type(exc).__name__}: {exc}") from exc

@@ -1,6 +1,7 @@
 """The HTTP edge: the JSON API under ``/api/v1``, the device protocol under
-``/device/v1``, ``/metrics``, health, the OpenAPI document and the dashboard page, beside the gRPC edge over the same federation. It imports
-the transport-free core and :mod:`flotilla.dashboard`, never the gRPC edge or the proto.
+``/device/v1``, ``/metrics``, health, the OpenAPI document and the dashboard page,
+beside the gRPC edge over the same federation. It imports the transport-free core and
+:mod:`flotilla.dashboard`, never the gRPC edge or the proto.
 
 - ``edge``: :class:`HttpEdge`, the aiohttp app and its runner, started by the server.
 - ``feed``: :class:`LiveFeed`, the federation's events as the dashboard's changes.
