@@ -57,6 +57,11 @@ HEAVY_CHECKS = {
     ),
     # Bars and charts load tqdm and matplotlib when they draw, not when imported.
     "flotilla.report": ("matplotlib", "tqdm", "torch", "grpc", "flotilla.server"),
+    # The lite client's HTTP side runs on the base install: no torch, grpc or server stack.
+    "flotilla.mobile.lite.http": (
+        "torch", "grpc", "aiohttp", "sqlalchemy", "flotilla.server", "flotilla.client",
+        "flotilla.proto",
+    ),
     "flotilla.core.jobfile": ("flotilla.simulation", "flotilla.engine", "torch", "grpc"),
     "flotilla.compression": (
         "flotilla.server", "flotilla.client", "flotilla.aggregation", "torch", "grpc",

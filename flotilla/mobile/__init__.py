@@ -7,6 +7,10 @@ Module map:
   optimiser settings); torch-free.
 - :mod:`flotilla.mobile.export` -- ``flotilla job export --format executorch``: a job's
   model and loss as an ExecuTorch training program (``.pte``; the ``mobile-export`` extra).
+- ``schema/v1/`` -- JSON Schemas of every message of the HTTP device protocol
+  (docs/protocol.md).
+- :mod:`flotilla.mobile.lite` -- the torch-free reference client (``lite.http``: the
+  protocol's standard-library client).
 
 Importing this package imports nothing: each module is imported by whoever needs it, so a
 torch-free device never loads the exporter.

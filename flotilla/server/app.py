@@ -28,6 +28,7 @@ from flotilla.server.federation.store import Store, default_url
 from flotilla.server.grpc.edge import GrpcEdge, GrpcSettings
 from flotilla.server.hosting.rendezvous import HostedRendezvous
 from flotilla.server.hosting.volunteers import VolunteerHost, VolunteerRunSpec
+from flotilla.server.http.device import DeviceSettings
 from flotilla.server.http.edge import HttpEdge, HttpSettings
 from flotilla.server.http.feed import LiveFeed
 from flotilla.server.memory import release_free_memory
@@ -100,6 +101,7 @@ class ServerConfig:
             tls_cert=self.tls_cert,
             tls_key=self.tls_key,
             stop_grace_s=self.timeouts.server_stop_s,
+            device=DeviceSettings(Path(self.state_dir) / "device-uploads", self.timeouts),
         )
 
 

@@ -20,6 +20,7 @@ from flotilla.dashboard.app import ReadAppConfig, build_read_app
 from flotilla.dashboard.guard import SafeAccessLogger
 from flotilla.dashboard.model import Change
 from flotilla.server.federation.facade import Federation
+from flotilla.server.http.device import DeviceSettings, build_device_app
 from flotilla.server.http.feed import LiveFeed
 from flotilla.server.http.readmodel import live_read_model
 from flotilla.server.http.routes import ServerRoutes
@@ -38,6 +39,8 @@ class HttpSettings:
     stop_grace_s: float = 1.0
     #: How often a hosted volunteer run's status is announced as changed.
     volunteers_every_s: float = 5.0
+    #: The device protocol under ``/device/v1/``; None: not served.
+    device: DeviceSettings | None = None
 
     @property
     def scheme(self) -> str:
@@ -73,6 +76,8 @@ class HttpEdge:
         model = live_read_model(federation, feed)
         self.app = build_read_app(model, FederationTokens(federation), "server", settings.read)
         ServerRoutes(federation, metrics, ready).add_to(self.app)
+        if settings.device is not None:
+            self.app.add_subapp("/device/v1/", build_device_app(federation, settings.device))
         self._runner = web.AppRunner(
             self.app,
             access_log_class=SafeAccessLogger,
