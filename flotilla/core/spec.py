@@ -20,6 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from flotilla.core.eligibility import EligibilitySection
 from flotilla.core.errors import SpecError
 
 T = TypeVar("T")
@@ -143,6 +144,33 @@ class CompressionSection:
     #: Send devices that hold the previous broadcast only the downlink-compressed change
     #: since it; others download the whole model. Needs a lossy ``downlink`` codec.
     downlink_delta: bool = False
+    #: Per-device uplink codecs by measured uplink: ``[[5.0, "int8"], [1.0, "topk"]]``
+    #: gives a device measured at >= 5 Mbit/s ``int8``, one at >= 1 Mbit/s ``topk``, and
+    #: one below every threshold (or never measured) ``uplink``. A tier's codec takes
+    #: ``uplink_params`` when it is ``uplink`` itself, else its defaults.
+    uplink_by_mbps: tuple[tuple[float, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for mbps, codec in self.uplink_by_mbps:
+            if not (math.isfinite(mbps) and mbps > 0):
+                raise SpecError(
+                    f"compression.uplink_by_mbps: thresholds must be finite numbers of "
+                    f"Mbit/s > 0, got {mbps!r} for {codec!r}"
+                )
+        thresholds = [mbps for mbps, _ in self.uplink_by_mbps]
+        if len(set(thresholds)) != len(thresholds):
+            raise SpecError("compression.uplink_by_mbps: a threshold appears twice")
+
+    def uplink_for(self, upload_bytes_per_s: float) -> str:
+        """The uplink codec a device measured at ``upload_bytes_per_s`` gets: the tier with
+        the highest threshold it reaches, else ``uplink``."""
+        mbps = upload_bytes_per_s * 8 / 1e6
+        reached = [(t, codec) for t, codec in self.uplink_by_mbps if mbps >= t]
+        return max(reached)[1] if reached else self.uplink
+
+    def uplink_params_of(self, codec: str) -> dict[str, Any]:
+        """The parameters ``codec`` takes as a device's uplink codec."""
+        return dict(self.uplink_params) if codec == self.uplink else {}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,6 +183,8 @@ class JobSpec:
     aggregation: AggregationSection = dataclasses.field(default_factory=AggregationSection)
     compression: CompressionSection = dataclasses.field(default_factory=CompressionSection)
     scheduling: SchedulingSection = dataclasses.field(default_factory=SchedulingSection)
+    #: Which devices may be selected (charging, unmetered, idle, battery, class, speed).
+    eligibility: EligibilitySection = dataclasses.field(default_factory=EligibilitySection)
 
     def __post_init__(self) -> None:
         _check_job(self)
@@ -323,7 +353,15 @@ def _coerce(hint: Any, value: Any, source: str, field: str) -> Any:
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise SpecError(f"{source}: field '{field}' must be a list, got {value!r}")
-        (item,) = get_args(hint)[:1] or (Any,)
+        args = get_args(hint)
+        if origin is tuple and args and Ellipsis not in args:  # fixed length, e.g. a pair
+            if len(value) != len(args):
+                raise SpecError(
+                    f"{source}: field '{field}' must be a list of {len(args)} items, got {value!r}"
+                )
+            pairs = enumerate(zip(args, value, strict=True))
+            return tuple(_coerce(a, v, source, f"{field}[{i}]") for i, (a, v) in pairs)
+        (item,) = args[:1] or (Any,)
         return tuple(_coerce(item, v, source, f"{field}[{i}]") for i, v in enumerate(value))
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
