@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from flotilla.core.allreduce import GroupPlan
 from flotilla.core.eligibility import EligibilitySection
 from flotilla.core.errors import SpecError, WireError
-from flotilla.core.spec import CompressionSection, DataSection, TrainSection, build_dataclass
+from flotilla.core.spec import CompressionSection, DataSection, TrainSection
+from flotilla.core.tables import build_dataclass
 from flotilla.core.tensors import TensorSpec
 
 
