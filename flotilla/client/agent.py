@@ -218,7 +218,7 @@ class Agent:
         conditions = self._conditions()
         why = None if conditions is None else ineligibility(config.eligibility, None, conditions)
         if why is not None:  # changed since the poll that brought the task
-            await self._give_up(task, why)
+            await self._give_up(task, why, conditions)
             return
         # Heartbeats run for the whole round, transfers included: a slow link must not
         # look like a dead device. They also watch the device's conditions.
@@ -315,7 +315,7 @@ class Agent:
             why = None if conditions is None else ineligibility(policy, None, conditions)
             if why is not None:
                 round_open.clear()
-                await self._give_up(task, why)
+                await self._give_up(task, why, conditions)
                 return
             beat = Heartbeat(self._me, task.round_token, timeouts.heartbeat_s, conditions)
             with contextlib.suppress(FlotillaError):
@@ -323,13 +323,22 @@ class Agent:
                     round_open.clear()
                     return
 
-    async def _give_up(self, task: WorkOrder, why: str) -> None:
+    async def _give_up(
+        self, task: WorkOrder, why: str, conditions: DeviceConditions | None = None
+    ) -> None:
         """Tell the server this device drops out of ``task``'s round because of ``why`` (a
-        condition); the training already running in its thread finishes unused."""
+        condition), then what its conditions are now, so no job selects it again until
+        they change; the training already running in its thread finishes unused."""
         log.info("round %d of %s: giving up, %s", task.round, task.job_id, why)
-        give_up = GiveUp(self._me, task.ref, f"conditions: {why}", self.config.timeouts.heartbeat_s)
+        timeout_s = self.config.timeouts.heartbeat_s
+        give_up = GiveUp(self._me, task.ref, f"conditions: {why}", timeout_s)
         with contextlib.suppress(FlotillaError):  # the round may have closed meanwhile
             await self._transport.send(give_up)
+        if conditions is not None:
+            with contextlib.suppress(FlotillaError):
+                await self._transport.send(
+                    Heartbeat(self._me, task.round_token, timeout_s, conditions)
+                )
 
     async def _fetch(self, task: WorkOrder) -> memoryview:
         if self._model is not None and self._model[0] == task.model_sha256:
