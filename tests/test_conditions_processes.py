@@ -87,3 +87,12 @@ def test_agents_follow_their_conditions_files(
     with urllib.request.urlopen(request, timeout=10) as r:
         metrics = r.read().decode()
     assert f'flotilla_device_failures_total{{job="{job_id}",reason="conditions"}} 1.0' in metrics
+
+
+def test_the_devices_page_runs_as_written(tmp_path: Path) -> None:
+    from tests.support.docrun import REPO, run_page
+
+    run = run_page(REPO / "docs" / "devices.md", tmp_path, block_timeout=120)
+    assert run.returncode == 0 and run.timed_out_block is None, run.output[-3000:]
+    assert '"reason": "not charging"' in run.output, run.output[-3000:]
+    assert '"device_class": "laptop"' in run.output
