@@ -55,7 +55,7 @@ import psutil
 from provenance import revision  # benchmarks/ is the script's sys.path[0]
 
 from flotilla.cli.remote import RemoteServer
-from flotilla.client.agent import Agent, AgentConfig
+from flotilla.client import Agent, AgentConfig
 from flotilla.client.training import TrainOutcome, TrainWork
 from flotilla.core.blobs import CHUNK_BYTES, sha256_hex
 from flotilla.core.spec import JobSpec

@@ -48,7 +48,7 @@ from typing import Any  # noqa: E402
 
 import aiohttp  # noqa: E402
 
-from flotilla.client.agent import Agent, AgentConfig  # noqa: E402
+from flotilla.client import Agent, AgentConfig  # noqa: E402
 from flotilla.client.training import TrainOutcome, TrainWork  # noqa: E402
 from flotilla.core.blobs import sha256_hex  # noqa: E402
 from flotilla.core.device import DeviceProfile  # noqa: E402

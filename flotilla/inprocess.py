@@ -28,6 +28,7 @@ from flotilla.client.transport import (
     Buffer,
     Enrol,
     FetchModel,
+    GiveUp,
     Heartbeat,
     Leave,
     Poll,
@@ -106,10 +107,15 @@ class InProcessTransport:
                 await self._device(r.credential)
                 return await self._count(r)
             case Poll():
-                task = await fed.poll(await self._device(r.credential), r.profile, r.peer_id)
+                device = await self._device(r.credential)
+                task = await fed.poll(device, r.profile, r.peer_id, r.conditions)
                 return None if task is None else task.order
             case Heartbeat():
-                return fed.heartbeat(await self._device(r.credential), r.round_token)
+                device = await self._device(r.credential)
+                return fed.heartbeat(device, r.round_token, r.conditions)
+            case GiveUp():
+                fed.report_failure(await self._device(r.credential), r.ref, r.reason)
+                return None
             case FetchModel():
                 device = await self._device(r.credential)
                 deadline = asyncio.get_running_loop().time() + r.timeout_s

@@ -24,9 +24,8 @@ import grpc
 import numpy as np
 import pytest
 
+from flotilla.client import Agent, AgentConfig, peer_id
 from flotilla.client import agent as agent_module
-from flotilla.client import peer_id
-from flotilla.client.agent import Agent, AgentConfig
 from flotilla.client.credentials import CREDENTIAL_FILE
 from flotilla.client.grpc_transport import GrpcTransport, translate
 from flotilla.client.training import TrainOutcome

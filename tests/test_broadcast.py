@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flotilla.client.agent import rebuild_model
+from flotilla.client.config import rebuild_model
 from flotilla.compression import make_codec
 from flotilla.core.blobstore import BlobStore
 from flotilla.core.errors import IntegrityError

@@ -70,6 +70,8 @@ def test_backend_failure_texts_map_to_a_bounded_reason() -> None:
         "left: switched off": "left",
         "went silent": "silent",
         "agent abandoned the task": "abandoned",
+        "conditions: not charging": "conditions",
+        "reported: network metered, unmetered required": "conditions",
         "dropped out": "dropped",
         "something new": "dropped",
     }

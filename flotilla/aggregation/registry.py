@@ -30,7 +30,7 @@ from flotilla.aggregation.robust import (
 )
 from flotilla.aggregation.spool import SpoolLimits
 from flotilla.core.errors import SpecError
-from flotilla.core.spec import build_dataclass
+from flotilla.core.tables import build_dataclass
 from flotilla.core.tensors import TensorSpec
 
 

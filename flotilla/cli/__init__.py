@@ -282,6 +282,14 @@ def _client_parser(commands: Any) -> None:
     )
     client.add_argument("--state-dir", type=Path, default=None, help="keeps the credential")
     client.add_argument("--tls-ca", type=Path, default=None)
+    client.add_argument(
+        "--conditions", type=Path, default=None, metavar="FILE",
+        help="JSON object (charging, battery 0..1, network, idle, thermal) re-read at every "
+        "poll and heartbeat; without it, power and battery as the OS reports them",
+    )  # fmt: skip
+    client.add_argument(
+        "--device-class", default="", help="what kind of device this is (phone, sbc, laptop...)"
+    )
     p2p = client.add_argument_group("server-less rounds (jobs with transport p2p; p2p extra)")
     p2p.add_argument(
         "--p2p-host-maddrs", nargs="+", default=None, metavar="MADDR",
@@ -297,6 +305,7 @@ def _client_parser(commands: Any) -> None:
 
 def _client(args: argparse.Namespace) -> int:
     from flotilla.client import Agent, AgentConfig, LocalTrainer
+    from flotilla.client.conditions import conditions_source
     from flotilla.core.allreduce import PeerOptions
     from flotilla.tasks import Shard, ShardTraining, load_task
 
@@ -305,6 +314,10 @@ def _client(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SpecError(f"--shard: {exc}") from exc
     load_task(args.task)  # fail now, not at the first round
+    try:
+        conditions = conditions_source(args.conditions)  # a bad file fails now too
+    except FlotillaError as exc:
+        raise SpecError(f"--conditions: {exc}") from exc
     trainer = LocalTrainer(ShardTraining(args.task, shard, args.data), state_dir=args.state_dir)
     config = AgentConfig(
         server=args.server,
@@ -318,6 +331,8 @@ def _client(args: argparse.Namespace) -> int:
             client_mode=args.p2p_client_mode,
             identity_path=args.state_dir / "p2p-identity.key" if args.state_dir else None,
         ),
+        conditions=conditions,
+        device_class=args.device_class,
     )
 
     async def run() -> int:

@@ -80,6 +80,9 @@ def add_devices_parser(commands: Any) -> None:
     listing.add_argument("--token", default=None, help="operator token")
     listing.add_argument("--tls-ca", type=Path, default=None)
     listing.add_argument("--task", default="", help="mark devices without this task ineligible")
+    listing.add_argument(
+        "--job", default="", help="mark devices this job may not select now ineligible, and why"
+    )
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(handler=_devices_list)
 
@@ -89,7 +92,7 @@ def _devices_list(args: argparse.Namespace) -> int:
 
     async def go() -> int:
         async with _remote(args) as remote:
-            devices = [device_json(d) for d in await remote.devices(args.task)]
+            devices = [device_json(d) for d in await remote.devices(args.task, args.job)]
         if args.json:
             print(json.dumps(devices, indent=2))
             return 0

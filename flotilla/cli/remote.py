@@ -19,6 +19,7 @@ from flotilla.core.timeouts import Timeouts
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
 from flotilla.proto.channel import open_channel
+from flotilla.proto.conditions import conditions_from_pb
 
 _ERRORS: dict[grpc.StatusCode, type[FlotillaError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthError,
@@ -61,6 +62,13 @@ def device_json(info: pb.DeviceInfo) -> dict[str, Any]:
         "upload_bytes_per_s": info.upload_bytes_per_s,
         "last_seen": info.last_seen or None,
         "selected": dict(info.selected),
+        "device_class": info.device_class or None,
+        # What it last reported (None: not seen since the server started).
+        "conditions": (
+            conditions_from_pb(info.conditions).to_dict() if info.HasField("conditions") else None
+        ),
+        # Running job -> why that job may not select it now.
+        "ineligible": dict(info.ineligible),
     }
 
 
@@ -155,8 +163,9 @@ class RemoteServer:
         reply = await self._call(self._stub.ListJobs, pb.ListJobsRequest())
         return list(reply.jobs)
 
-    async def devices(self, task: str = "") -> list[pb.DeviceInfo]:
-        reply = await self._call(self._stub.ListDevices, pb.ListDevicesRequest(task=task))
+    async def devices(self, task: str = "", job_id: str = "") -> list[pb.DeviceInfo]:
+        request = pb.ListDevicesRequest(task=task, job_id=job_id)
+        reply = await self._call(self._stub.ListDevices, request)
         return list(reply.devices)
 
     async def volunteer_runs(self) -> list[pb.VolunteerRunInfo]:

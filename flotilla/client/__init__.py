@@ -1,6 +1,8 @@
 """The client agent that runs on a device.
 
-- ``agent``: :class:`Agent` and :class:`AgentConfig`: enrol, poll, train, upload, reconnect.
+- ``agent``: :class:`Agent`: enrol, poll, train, upload, reconnect.
+- ``config``: :class:`AgentConfig`, and rebuilding a model from a downlink delta.
+- ``conditions``: the device's battery, power, network, idleness (a file, or the OS).
 - ``training``: :class:`LocalTrainer`: a task's training turned into an encoded update
   (:class:`TrainWork` in, :class:`TrainOutcome` out).
 - ``channel``: gRPC channel options, device credentials, backoff.
@@ -16,13 +18,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flotilla.client.agent import Agent, AgentConfig
+    from flotilla.client.agent import Agent
     from flotilla.client.channel import Backoff, DeviceCredential, open_channel
+    from flotilla.client.config import AgentConfig
     from flotilla.client.training import LocalTrainer, TrainOutcome, TrainWork
 
 _EXPORTS = {
     "Agent": "flotilla.client.agent",
-    "AgentConfig": "flotilla.client.agent",
+    "AgentConfig": "flotilla.client.config",
     "Backoff": "flotilla.client.channel",
     "DeviceCredential": "flotilla.client.channel",
     "open_channel": "flotilla.client.channel",

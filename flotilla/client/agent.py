@@ -16,20 +16,21 @@ import logging
 import random
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from flotilla.client.backoff import Backoff
+from flotilla.client.config import AgentConfig, rebuild_model
 from flotilla.client.credentials import CredentialFile
 from flotilla.client.profile import matmul_gflops, memory_bytes
-from flotilla.client.training import LocalTrainer, TrainOutcome, TrainWork
+from flotilla.client.training import TrainOutcome, TrainWork
 from flotilla.client.transport import (
     AgentTransport,
     AverageReport,
     DeviceCredential,
     Enrol,
     FetchModel,
+    GiveUp,
     Heartbeat,
     Leave,
     Poll,
@@ -38,9 +39,11 @@ from flotilla.client.transport import (
     SpeedTest,
     SubmitUpdate,
 )
-from flotilla.core.allreduce import Contribution, GroupAveraging, PeerOptions
-from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
+from flotilla.core.allreduce import Contribution, GroupAveraging
+from flotilla.core.blobs import BlobAssembler, iter_chunks
+from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
+from flotilla.core.eligibility import EligibilitySection, ineligibility
 from flotilla.core.errors import (
     AuthError,
     FlotillaError,
@@ -49,7 +52,6 @@ from flotilla.core.errors import (
     UpdateRejected,
 )
 from flotilla.core.round_config import RoundConfig
-from flotilla.core.timeouts import Timeouts
 from flotilla.core.work import UploadHeader, WorkOrder
 
 log = logging.getLogger(__name__)
@@ -58,24 +60,6 @@ log = logging.getLogger(__name__)
 REREPORT_PAUSE_S = 0.1
 #: Errors that refuse one request of a round: give the round up and poll again at once.
 REFUSED = (UpdateRejected, NotFoundError)
-
-
-@dataclass(frozen=True, slots=True)
-class AgentConfig:
-    server: str
-    token: str
-    trainer: LocalTrainer
-    state_dir: Path | None = None
-    tls_ca: Path | None = None
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    speed_test_bytes: int = 2 * 1024 * 1024
-    backoff_cap_s: float = 5.0
-    max_model_bytes: int = 2**32
-    #: This device's hivemind peer, for server-less (p2p) rounds.
-    p2p: PeerOptions = field(default_factory=PeerOptions)
-    #: Makes the device's peer at its first server-less round; None: hivemind's
-    #: (``flotilla.p2p.federated``, the ``p2p`` extra).
-    averaging: Callable[[PeerOptions], GroupAveraging] | None = None
 
 
 class Agent:
@@ -157,6 +141,7 @@ class Agent:
             tasks=(self.config.trainer.task_name,),
             gflops=matmul_gflops(),
             memory_bytes=memory_bytes(),
+            device_class=self.config.device_class,
         )
 
     async def _enrol(self, profile: DeviceProfile) -> DeviceCredential:
@@ -217,21 +202,34 @@ class Agent:
             log.error("round failed on this device: %s", exc)
             await self._pause("after a failed round")
 
+    def _conditions(self) -> DeviceConditions | None:
+        source = self.config.conditions
+        return None if source is None else source()
+
     async def _poll(self) -> WorkOrder | None:
-        poll = Poll(self._me, self._peer_id, self._pending_profile, self.config.timeouts.poll_s)
+        timeout_s = self.config.timeouts.poll_s
+        poll = Poll(self._me, self._peer_id, self._pending_profile, timeout_s, self._conditions())
         task = await self._transport.send(poll)
         self._pending_profile = None
         return task
 
     async def _work(self, task: WorkOrder) -> None:
+        config = RoundConfig.from_json(task.config_json)
+        conditions = self._conditions()
+        why = None if conditions is None else ineligibility(config.eligibility, None, conditions)
+        if why is not None:  # changed since the poll that brought the task
+            await self._give_up(task, why, conditions)
+            return
         # Heartbeats run for the whole round, transfers included: a slow link must not
-        # look like a dead device.
+        # look like a dead device. They also watch the device's conditions.
         round_open = asyncio.Event()
         round_open.set()
-        beat = asyncio.ensure_future(self._heartbeat(task.round_token, round_open))
+        beat = asyncio.ensure_future(self._heartbeat(task, config.eligibility, round_open))
         try:
             model = await self._fetch(task)
-            work = TrainWork(task.job_id, int(task.seed), RoundConfig.from_json(task.config_json))
+            if not round_open.is_set():
+                return  # given up while downloading
+            work = TrainWork(task.job_id, int(task.seed), config, task.uplink_codec)
             outcome = await asyncio.to_thread(self.config.trainer.train, model, work)
             if not round_open.is_set():
                 log.info(
@@ -304,14 +302,43 @@ class Agent:
                 return
             await asyncio.sleep(REREPORT_PAUSE_S)
 
-    async def _heartbeat(self, round_token: str, round_open: asyncio.Event) -> None:
+    async def _heartbeat(
+        self, task: WorkOrder, policy: EligibilitySection, round_open: asyncio.Event
+    ) -> None:
+        """Until cancelled: say the device is alive, with its conditions; clear
+        ``round_open`` when the round closes or the device stops qualifying for it (then
+        the round is given up at once, so the server need not wait for its deadline)."""
+        timeouts = self.config.timeouts
         while True:
-            await asyncio.sleep(self.config.timeouts.heartbeat_every_s)
-            beat = Heartbeat(self._me, round_token, self.config.timeouts.heartbeat_s)
+            await asyncio.sleep(timeouts.heartbeat_every_s)
+            conditions = self._conditions()
+            why = None if conditions is None else ineligibility(policy, None, conditions)
+            if why is not None:
+                round_open.clear()
+                await self._give_up(task, why, conditions)
+                return
+            beat = Heartbeat(self._me, task.round_token, timeouts.heartbeat_s, conditions)
             with contextlib.suppress(FlotillaError):
                 if not await self._transport.send(beat):
                     round_open.clear()
                     return
+
+    async def _give_up(
+        self, task: WorkOrder, why: str, conditions: DeviceConditions | None = None
+    ) -> None:
+        """Tell the server this device drops out of ``task``'s round because of ``why`` (a
+        condition), then what its conditions are now, so no job selects it again until
+        they change; the training already running in its thread finishes unused."""
+        log.info("round %d of %s: giving up, %s", task.round, task.job_id, why)
+        timeout_s = self.config.timeouts.heartbeat_s
+        give_up = GiveUp(self._me, task.ref, f"conditions: {why}", timeout_s)
+        with contextlib.suppress(FlotillaError):  # the round may have closed meanwhile
+            await self._transport.send(give_up)
+        if conditions is not None:
+            with contextlib.suppress(FlotillaError):
+                await self._transport.send(
+                    Heartbeat(self._me, task.round_token, timeout_s, conditions)
+                )
 
     async def _fetch(self, task: WorkOrder) -> memoryview:
         if self._model is not None and self._model[0] == task.model_sha256:
@@ -382,21 +409,3 @@ def grpc_transport(config: AgentConfig) -> AgentTransport:
     from flotilla.client.grpc_transport import GrpcTransport
 
     return GrpcTransport(config.server, config.tls_ca)
-
-
-def rebuild_model(base: memoryview, delta: memoryview, task: WorkOrder) -> memoryview:
-    """safetensors of ``base + decode(delta)``, checked against the task's model SHA-256."""
-    from flotilla.compression import apply_delta, decode_state_with, make_codec
-    from flotilla.core.errors import IntegrityError
-    from flotilla.core.tensors import decode_state, encode_state
-
-    config = RoundConfig.from_json(task.config_json)
-    if config.layout is None:
-        raise FlotillaError("a downlink delta came without the model's layout")
-    spec = config.compression
-    codec = make_codec(spec.downlink, spec.downlink_params)
-    change = decode_state_with(delta, config.layout, len(delta), codec=codec)
-    whole = encode_state(apply_delta(decode_state(base), change))
-    if sha256_hex(whole) != task.model_sha256:
-        raise IntegrityError("the rebuilt model does not match the server's")
-    return memoryview(whole)

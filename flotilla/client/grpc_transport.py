@@ -22,6 +22,7 @@ from flotilla.client.transport import (
     DeviceCredential,
     Enrol,
     FetchModel,
+    GiveUp,
     Heartbeat,
     Leave,
     Poll,
@@ -48,6 +49,7 @@ from flotilla.proto import PROTOCOL_VERSION, bulk
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto import flotilla_pb2_grpc as pb_grpc
 from flotilla.proto.bulk import BlobPiece
+from flotilla.proto.conditions import conditions_to_pb
 
 R = TypeVar("R")
 
@@ -148,11 +150,15 @@ class GrpcTransport:
                 poll = pb.PollRequest(p2p_peer_id=r.peer_id)
                 if r.profile is not None:
                     poll.profile.CopyFrom(profile_to_pb(r.profile))
+                if r.conditions is not None:
+                    poll.conditions.CopyFrom(conditions_to_pb(r.conditions))
                 md = credential_metadata(r.credential)
                 reply = await stub.Poll(poll, metadata=md, timeout=r.timeout_s)
                 return work_from_pb(reply.task) if reply.HasField("task") else None
             case Heartbeat():
                 beat = pb.HeartbeatRequest(round_token=r.round_token)
+                if r.conditions is not None:
+                    beat.conditions.CopyFrom(conditions_to_pb(r.conditions))
                 md = credential_metadata(r.credential)
                 alive = await stub.Heartbeat(beat, metadata=md, timeout=r.timeout_s)
                 return alive.round_open
@@ -179,6 +185,14 @@ class GrpcTransport:
                 report = report_to_pb(r.ref, r.report)
                 verdict = await stub.ReportAverage(report, metadata=md, timeout=r.timeout_s)
                 return ReportVerdict(verdict.upload, verdict.round_open)
+            case GiveUp():
+                ref = r.ref
+                give_up = pb.GiveUpRequest(
+                    job_id=ref.job_id, round=ref.round, round_token=ref.round_token, reason=r.reason
+                )
+                md = credential_metadata(r.credential)
+                await stub.GiveUp(give_up, metadata=md, timeout=r.timeout_s)
+                return None
             case Leave():
                 leave = pb.LeaveRequest(reason=r.reason)
                 md = credential_metadata(r.credential)
@@ -225,6 +239,7 @@ def profile_to_pb(profile: DeviceProfile) -> pb.DeviceProfile:
         gflops=profile.gflops,
         memory_bytes=profile.memory_bytes,
         upload_bytes_per_s=profile.upload_bytes_per_s,
+        device_class=profile.device_class,
     )
 
 
@@ -242,6 +257,7 @@ def work_from_pb(msg: pb.TrainTask) -> WorkOrder:
         delta_base_sha256=msg.delta_base_sha256,
         delta_sha256=msg.delta_sha256,
         delta_size=msg.delta_size,
+        uplink_codec=msg.uplink_codec,
     )
 
 

@@ -30,6 +30,13 @@ class TrainWork:
     job_id: str
     seed: int
     config: RoundConfig
+    #: The uplink codec the server chose for this device (``WorkOrder.uplink_codec``);
+    #: ``""``: the job's ``compression.uplink``.
+    uplink_codec: str = ""
+
+    @property
+    def codec(self) -> str:
+        return self.uplink_codec or self.config.compression.uplink
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,9 @@ class LocalTrainer:
     entropy: Callable[[], CodecContext] = CodecContext
     _residuals: StateStore[str] = field(init=False)
     _velocity: StateStore[str] = field(init=False)
+    #: Job -> the codec its residual was kept for: what one codec dropped means nothing
+    #: to another, so a change of codec starts error feedback afresh.
+    _residual_codec: dict[str, str] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         # Per job (keyed by job id), across rounds; files survive an agent restart.
@@ -90,11 +100,13 @@ class LocalTrainer:
         """The task this device trains, as it announces it to the server."""
         return self.training.task_name
 
-    def pipeline(self, config: RoundConfig) -> UpdatePipeline[str]:
-        """The job's update pipeline over this device's stored momentum and residuals."""
+    def pipeline(self, config: RoundConfig, codec: str = "") -> UpdatePipeline[str]:
+        """The job's update pipeline over this device's stored momentum and residuals,
+        encoding with ``codec`` (``""``: the job's ``compression.uplink``)."""
         spec = config.compression
+        name = codec or spec.uplink
         return UpdatePipeline(
-            make_codec(spec.uplink, spec.uplink_params),
+            make_codec(name, spec.uplink_params_of(name)),
             config.train.update_momentum,
             residuals=self._residuals if spec.error_feedback else None,
             velocity=self._velocity,
@@ -109,9 +121,14 @@ class LocalTrainer:
         num_samples = trained.num_samples
         delta: ModelState = {name: local[name] - global_state[name] for name in global_state}
         del local, trained
-        pipeline = self.pipeline(config)
+        pipeline = self.pipeline(config, work.codec)
         delta = pipeline.smooth(work.job_id, delta)
         if config.p2p is not None:  # averaged with the group, compressed on hivemind's wire
             return TrainOutcome(int(num_samples), metrics, b"", delta=delta)
+        if pipeline.residuals is not None:
+            held_for = self._residual_codec.get(work.job_id, work.codec)
+            if held_for != work.codec:
+                pipeline.residuals.put(work.job_id, {})
+            self._residual_codec[work.job_id] = work.codec
         payload = pipeline.encode(work.job_id, delta)
-        return TrainOutcome(int(num_samples), metrics, payload, codec=config.compression.uplink)
+        return TrainOutcome(int(num_samples), metrics, payload, codec=work.codec)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar, cast
 
 from flotilla.core.allreduce import Contribution
+from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import Unreachable
 from flotilla.core.work import (
@@ -109,6 +110,8 @@ class Poll(Request[WorkOrder | None]):
     #: Sent when it changed (after a speed test); None otherwise.
     profile: DeviceProfile | None
     timeout_s: float
+    #: Battery, power, network, idleness now: which jobs may select the device.
+    conditions: DeviceConditions | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +121,8 @@ class Heartbeat(Request[bool]):
     credential: DeviceCredential
     round_token: str
     timeout_s: float
+    #: Conditions that no longer meet the job's eligibility end the round (reply False).
+    conditions: DeviceConditions | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +167,17 @@ class ReportAverage(Request[ReportVerdict]):
 
 
 @dataclass(frozen=True, slots=True)
+class GiveUp(Request[None]):
+    """This device will not finish the round ``ref`` (its conditions stopped meeting the
+    job's eligibility): a dropout now rather than at the deadline."""
+
+    credential: DeviceCredential
+    ref: RoundRef
+    reason: str
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Leave(Request[None]):
     """This device is going away: free it now rather than at the liveness timeout."""
 
@@ -179,6 +195,7 @@ AgentRequest = (
     | ReserveUpload
     | SubmitUpdate
     | ReportAverage
+    | GiveUp
     | Leave
 )
 #: The closed set, for ``isinstance`` checks.
@@ -191,6 +208,7 @@ REQUESTS = (
     ReserveUpload,
     SubmitUpdate,
     ReportAverage,
+    GiveUp,
     Leave,
 )
 
@@ -259,6 +277,7 @@ __all__ = [
     "DeviceCredential",
     "Enrol",
     "FetchModel",
+    "GiveUp",
     "Heartbeat",
     "Leave",
     "MockTransport",

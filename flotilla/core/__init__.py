@@ -3,6 +3,7 @@
 - ``errors``: the :class:`FlotillaError` tree.
 - ``access``: :class:`Scope`, what a token allows (operator or read).
 - ``spec``: :class:`JobSpec` from TOML, unknown fields refused by name.
+- ``tables``: :func:`build_dataclass`, plain data onto checked dataclasses.
 - ``jobfile``: job files (one job, or ``[[jobs]]``), as ``flotilla job submit`` reads them.
 - ``tensors``: model states and the safe safetensors wire format.
 - ``blobs``: chunking and SHA-256 checking of blobs in transit.

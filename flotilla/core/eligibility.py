@@ -15,6 +15,7 @@ from typing import Any
 from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import SpecError
+from flotilla.core.tables import build_dataclass
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,8 +61,6 @@ class EligibilitySection:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EligibilitySection:
         """The policy as a task's config carries it (what ``to_dict`` wrote)."""
-        from flotilla.core.spec import build_dataclass
-
         return build_dataclass(cls, data, "eligibility", "eligibility.")
 
 

@@ -53,6 +53,9 @@ FAILURE_REASONS: tuple[str, ...] = (
     "refused",
     #: Its sender stopped waiting for a verdict.
     "gave_up",
+    #: Its conditions stopped meeting the job's ``[eligibility]`` mid-round (unplugged,
+    #: on a metered network, busy, low battery): a dropout, not a fault of the device.
+    "conditions",
     #: A simulated dropout, or a reason the backend gave that fits none of the above.
     "dropped",
 )
@@ -72,6 +75,7 @@ _FAILURE_MARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("silent", ("silent",)),
     ("abandoned", ("abandon",)),
     ("deadline", ("deadline", "timed out", "timeout")),
+    ("conditions", ("conditions", "charging", "unmetered", "metered", "idle", "battery")),
 )
 
 

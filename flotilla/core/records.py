@@ -30,6 +30,8 @@ class DeviceRecord:
     profile: dict[str, float]
     enrolled_at: float
     last_seen_at: float
+    #: What kind of device it says it is (``DeviceProfile.device_class``); "" unset.
+    device_class: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,11 +8,13 @@ task; devices and simulated devices read it back with :meth:`RoundConfig.from_js
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flotilla.core.allreduce import GroupPlan
-from flotilla.core.errors import WireError
-from flotilla.core.spec import CompressionSection, DataSection, TrainSection, build_dataclass
+from flotilla.core.eligibility import EligibilitySection
+from flotilla.core.errors import SpecError, WireError
+from flotilla.core.spec import CompressionSection, DataSection, TrainSection
+from flotilla.core.tables import build_dataclass
 from flotilla.core.tensors import TensorSpec
 
 
@@ -27,6 +29,8 @@ class RoundConfig:
     layout: tuple[TensorSpec, ...] | None = None
     #: Server-less rounds: how this round's devices all-reduce their updates.
     p2p: GroupPlan | None = None
+    #: The job's ``[eligibility]``: a device stops a round when it no longer qualifies.
+    eligibility: EligibilitySection = field(default_factory=EligibilitySection)
 
     @classmethod
     def from_json(cls, text: str) -> RoundConfig:
@@ -43,10 +47,15 @@ class RoundConfig:
         except (ValueError, TypeError, AttributeError) as exc:
             raise WireError(f"{where} is malformed: {exc}") from exc
         p2p = raw.get("p2p")
+        try:
+            eligibility = EligibilitySection.from_dict(raw.get("eligibility", {}))
+        except SpecError as exc:
+            raise WireError(f"{where}: {exc}") from exc
         return cls(
             build_dataclass(TrainSection, raw.get("train", {}), where, "train."),
             build_dataclass(DataSection, raw.get("data", {}), where, "data."),
             build_dataclass(CompressionSection, raw.get("compression", {}), where, "compression."),
             specs,
             None if p2p is None else GroupPlan.from_dict(p2p),
+            eligibility,
         )

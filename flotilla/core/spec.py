@@ -10,17 +10,18 @@ import dataclasses
 import json
 import math
 import sys
-import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, TypeVar
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from flotilla.core.eligibility import EligibilitySection
 from flotilla.core.errors import SpecError
+from flotilla.core.tables import build_dataclass
 
 T = TypeVar("T")
 
@@ -143,6 +144,33 @@ class CompressionSection:
     #: Send devices that hold the previous broadcast only the downlink-compressed change
     #: since it; others download the whole model. Needs a lossy ``downlink`` codec.
     downlink_delta: bool = False
+    #: Per-device uplink codecs by measured uplink: ``[[5.0, "int8"], [1.0, "topk"]]``
+    #: gives a device measured at >= 5 Mbit/s ``int8``, one at >= 1 Mbit/s ``topk``, and
+    #: one below every threshold (or never measured) ``uplink``. A tier's codec takes
+    #: ``uplink_params`` when it is ``uplink`` itself, else its defaults.
+    uplink_by_mbps: tuple[tuple[float, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for mbps, codec in self.uplink_by_mbps:
+            if not (math.isfinite(mbps) and mbps > 0):
+                raise SpecError(
+                    f"compression.uplink_by_mbps: thresholds must be finite numbers of "
+                    f"Mbit/s > 0, got {mbps!r} for {codec!r}"
+                )
+        thresholds = [mbps for mbps, _ in self.uplink_by_mbps]
+        if len(set(thresholds)) != len(thresholds):
+            raise SpecError("compression.uplink_by_mbps: a threshold appears twice")
+
+    def uplink_for(self, upload_bytes_per_s: float) -> str:
+        """The uplink codec a device measured at ``upload_bytes_per_s`` gets: the tier with
+        the highest threshold it reaches, else ``uplink``."""
+        mbps = upload_bytes_per_s * 8 / 1e6
+        reached = [(t, codec) for t, codec in self.uplink_by_mbps if mbps >= t]
+        return max(reached)[1] if reached else self.uplink
+
+    def uplink_params_of(self, codec: str) -> dict[str, Any]:
+        """The parameters ``codec`` takes as a device's uplink codec."""
+        return dict(self.uplink_params) if codec == self.uplink else {}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,6 +183,8 @@ class JobSpec:
     aggregation: AggregationSection = dataclasses.field(default_factory=AggregationSection)
     compression: CompressionSection = dataclasses.field(default_factory=CompressionSection)
     scheduling: SchedulingSection = dataclasses.field(default_factory=SchedulingSection)
+    #: Which devices may be selected (charging, unmetered, idle, battery, class, speed).
+    eligibility: EligibilitySection = dataclasses.field(default_factory=EligibilitySection)
 
     def __post_init__(self) -> None:
         _check_job(self)
@@ -264,81 +294,3 @@ def apply_override(data: dict[str, Any], item: str, source: str = "<overrides>")
             raise SpecError(f"{source}: override {key!r}: {part!r} is not a table")
         node = child
     node[parts[-1]] = value
-
-
-def build_dataclass(cls: type[T], data: Mapping[str, Any], source: str, prefix: str = "") -> T:
-    """Build a (nested) dataclass from plain data, refusing unknown and ill-typed fields."""
-    if not isinstance(data, Mapping):
-        where = prefix.rstrip(".") or "the top level"
-        raise SpecError(f"{source}: {where} must be a table, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    hints = get_type_hints(cls)
-    for key in data:
-        if key not in fields:
-            known = ", ".join(sorted(fields))
-            raise SpecError(f"{source}: unknown field '{prefix}{key}' (known: {known})")
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        kwargs[name] = _coerce(hints[name], value, source, f"{prefix}{name}")
-    try:
-        return cls(**kwargs)
-    except SpecError as exc:
-        raise SpecError(f"{source}: {exc}") from exc
-
-
-def _scalar_table(value: Any, source: str, field: str) -> dict[str, Any]:
-    """A parameters table: names to scalars (or lists of scalars), checked by its consumer."""
-    if not isinstance(value, Mapping):
-        raise SpecError(f"{source}: field '{field}' must be a table, got {value!r}")
-    out: dict[str, Any] = {}
-    for key, item in value.items():
-        scalars = (str, int, float, bool)
-        ok = isinstance(item, scalars) or (
-            isinstance(item, (list, tuple)) and all(isinstance(v, scalars) for v in item)
-        )
-        if not ok:
-            raise SpecError(f"{source}: field '{field}.{key}' must be a scalar, got {item!r}")
-        out[str(key)] = list(item) if isinstance(item, (list, tuple)) else item
-    return out
-
-
-def _coerce(hint: Any, value: Any, source: str, field: str) -> Any:
-    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-        return build_dataclass(hint, value, source, f"{field}.")
-    origin = get_origin(hint)
-    if origin in (Union, types.UnionType):
-        args = get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, source, field)
-            except SpecError:
-                continue
-        raise SpecError(f"{source}: field '{field}' has the wrong type ({value!r})")
-    if origin is dict:
-        return _scalar_table(value, source, field)
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise SpecError(f"{source}: field '{field}' must be a list, got {value!r}")
-        (item,) = get_args(hint)[:1] or (Any,)
-        return tuple(_coerce(item, v, source, f"{field}[{i}]") for i, v in enumerate(value))
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpecError(f"{source}: field '{field}' must be a number, got {value!r}")
-        return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(f"{source}: field '{field}' must be an integer, got {value!r}")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise SpecError(f"{source}: field '{field}' must be true or false, got {value!r}")
-        return value
-    if hint is str:
-        if not isinstance(value, str):
-            raise SpecError(f"{source}: field '{field}' must be a string, got {value!r}")
-        return value
-    return value

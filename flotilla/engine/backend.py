@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from flotilla.compression import Codec, NoneCodec
 from flotilla.core.allreduce import Contribution
+from flotilla.core.eligibility import EligibilitySection
 from flotilla.core.tensors import TensorSpec
 from flotilla.core.update import Update
 from flotilla.core.work import WorkOrder
@@ -15,8 +17,9 @@ from flotilla.core.work import WorkOrder
 
 @dataclass(frozen=True, slots=True)
 class TrainTask:
-    """One round's work, the same for every device selected for it: the order a device
-    receives, and what the server checks updates against."""
+    """One round's work for every device selected for it: the order a device receives, and
+    what the server checks updates against. Only the uplink codec may differ per device
+    (``device_codecs``); :meth:`for_device` is one device's own task."""
 
     order: WorkOrder
     #: What every update must look like: the model's tensor names, dtypes and shapes.
@@ -25,6 +28,24 @@ class TrainTask:
     codec: Codec = field(default_factory=NoneCodec)
     #: ``p2p``: the devices all-reduce among themselves and report (see engine.p2p_round).
     transport: str = "server"
+    #: The job's ``[eligibility]`` when a change in a device's conditions can end its part
+    #: in the round (the server checks what heartbeats and polls carry); None: it cannot.
+    policy: EligibilitySection | None = None
+    #: Device -> its uplink codec, chosen by measured uplink (``uplink_by_mbps``); a
+    #: device not named here uses ``codec``.
+    device_codecs: Mapping[str, Codec] = field(default_factory=dict)
+
+    def codec_for(self, device_id: str) -> Codec:
+        """The codec ``device_id``'s update must arrive in."""
+        return self.device_codecs.get(device_id, self.codec)
+
+    def for_device(self, device_id: str) -> TrainTask:
+        """This task as ``device_id`` receives it: its order names its uplink codec."""
+        codec = self.device_codecs.get(device_id)
+        if codec is None:
+            return self
+        order = dataclasses.replace(self.order, uplink_codec=codec.name)
+        return dataclasses.replace(self, order=order, codec=codec, device_codecs={})
 
 
 def _accept_silently(reason: str | None) -> None:

@@ -7,17 +7,20 @@ first round.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flotilla.aggregation import Aggregator, Traits, make_aggregator, parse_params, strategy_info
 from flotilla.compression import Codec, make_codec
+from flotilla.core.eligibility import EligibilitySection
 from flotilla.core.errors import SpecError
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import TensorSpec
+from flotilla.engine.backend import TrainTask
 from flotilla.scheduling import selector_params
 
 
@@ -29,6 +32,9 @@ class JobPlan:
     uplink: Codec
     #: None: the exact model is broadcast.
     downlink: Codec | None
+    #: Every codec ``compression.uplink_by_mbps`` may give a device, by name (with
+    #: ``uplink``'s own): what each device's upload is checked against.
+    uplinks: Mapping[str, Codec] = field(default_factory=dict)
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> JobPlan:
@@ -43,7 +49,38 @@ class JobPlan:
         if comp.downlink_delta and downlink.name == "none":
             raise SpecError("compression.downlink_delta needs a lossy compression.downlink codec")
         _check_transport(spec)
-        return cls(spec, info.traits, params, uplink, None if downlink.name == "none" else downlink)
+        uplinks = {uplink.name: uplink}
+        for i, (_, name) in enumerate(comp.uplink_by_mbps):
+            if name not in uplinks:
+                uplinks[name] = _codec(
+                    f"compression.uplink_by_mbps[{i}]", name, comp.uplink_params_of(name)
+                )
+        return cls(
+            spec,
+            info.traits,
+            params,
+            uplink,
+            None if downlink.name == "none" else downlink,
+            uplinks,
+        )
+
+    def uplink_for(self, upload_bytes_per_s: float) -> Codec:
+        """The uplink codec of a device measured at ``upload_bytes_per_s``."""
+        return self.uplinks[self.spec.compression.uplink_for(upload_bytes_per_s)]
+
+    def per_device(self, task: TrainTask, uplinks: Mapping[str, float]) -> TrainTask:
+        """``task`` with each device's uplink codec chosen by its measured uplink
+        (``uplinks``: device -> bytes/s), when the job has ``uplink_by_mbps``."""
+        if not self.spec.compression.uplink_by_mbps or task.transport != "server":
+            return task
+        codecs = {device: self.uplink_for(rate) for device, rate in uplinks.items()}
+        return dataclasses.replace(task, device_codecs=codecs)
+
+    @property
+    def policy(self) -> EligibilitySection | None:
+        """The job's eligibility when conditions can end a device's round (else None)."""
+        policy = self.spec.eligibility
+        return policy if policy.needs_conditions else None
 
     def aggregator(self, layout: tuple[TensorSpec, ...], spool_dir: Path | None) -> Aggregator:
         return make_aggregator(
@@ -59,6 +96,8 @@ class JobPlan:
             "train": {**full["train"], **extra_train},
             "data": full["data"],
             "compression": full["compression"],
+            # Devices on every edge stop training when they stop qualifying mid-round.
+            "eligibility": self.spec.eligibility.to_dict(),
         }
         if self.downlink is not None:  # codec payloads are decoded against the layout
             config["layout"] = [[s.name, s.dtype, list(s.shape)] for s in layout]
@@ -86,10 +125,10 @@ def _check_transport(spec: JobSpec) -> None:
             f'aggregation.transport = "p2p" averages on the devices: strategy must be one of '
             f"{', '.join(P2P_STRATEGIES)}, not {agg.strategy!r}"
         )
-    if comp.uplink not in P2P_CODECS or comp.error_feedback:
+    if comp.uplink not in P2P_CODECS or comp.error_feedback or comp.uplink_by_mbps:
         raise SpecError(
             f'aggregation.transport = "p2p" compresses with hivemind: compression.uplink must '
-            f"be one of {', '.join(P2P_CODECS)}, without error_feedback"
+            f"be one of {', '.join(P2P_CODECS)}, without error_feedback or uplink_by_mbps"
         )
     if comp.downlink != "none" and not comp.downlink_delta:
         raise SpecError(

@@ -212,11 +212,12 @@ class JobRunner:
             factor = min(job.over_selection, 1.0 / max(1.0 - expected, 1e-3))
         want = math.ceil(round(job.clients_per_round * factor, 9))  # 20 x 1.3 is 26
         arbiter = self.services.arbiter
+        policy = self._spec.eligibility
         grant = await arbiter.acquire(
-            DeviceRequest(self._job.id, job.task, want, job.min_quorum, self.selector)
+            DeviceRequest(self._job.id, job.task, want, job.min_quorum, self.selector, policy)
         )
         count = len(grant.devices)
-        rate = count / max(len(pool.eligible(job.task)), count, 1)
+        rate = count / max(len(pool.eligible(job.task, policy)), count, 1)
         aggregator = self.aggregator
         if isinstance(aggregator, PrivacyBudgeted):
             try:
@@ -228,16 +229,17 @@ class JobRunner:
 
     def grant_now(self, want: int) -> Grant | None:
         return self.services.arbiter.grant_now(
-            self._job.id, self._spec.job.task, want, self.selector
+            self._job.id, self._spec.job.task, want, self.selector, self._spec.eligibility
         )
 
     def dispatch(
         self, grant: Grant, make_task: Callable[[Sequence[str]], TrainTask]
     ) -> Lease[Dispatched] | None:
-        backend = self.services.backend
+        backend, pool = self.services.backend, self.services.leases.pool
 
         def start(devices: Sequence[str]) -> Dispatched:
-            task = make_task(devices)
+            uplinks = {d: p.upload_bytes_per_s if (p := pool.profile(d)) else 0.0 for d in devices}
+            task = self._plan.per_device(make_task(devices), uplinks)
             return Dispatched(task, backend.dispatch(task, devices))
 
         return self.services.leases.dispatch(grant, start)
@@ -265,7 +267,8 @@ class JobRunner:
             delta_sha256=cast.delta_sha256,
             delta_size=cast.delta_size,
         )
-        return TrainTask(order, layout=self._layout, codec=self._plan.uplink)
+        plan = self._plan
+        return TrainTask(order, layout=self._layout, codec=plan.uplink, policy=plan.policy)
 
     def fold(self, result: RoundResult, tally: RoundTally, staleness: int | None = None) -> bool:
         if isinstance(result, Failed):

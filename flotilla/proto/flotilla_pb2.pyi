@@ -7,16 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DeviceProfile(_message.Message):
-    __slots__ = ("tasks", "gflops", "memory_bytes", "upload_bytes_per_s")
+    __slots__ = ("tasks", "gflops", "memory_bytes", "upload_bytes_per_s", "device_class")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GFLOPS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedScalarFieldContainer[str]
     gflops: float
     memory_bytes: int
     upload_bytes_per_s: float
-    def __init__(self, tasks: _Optional[_Iterable[str]] = ..., gflops: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., upload_bytes_per_s: _Optional[float] = ...) -> None: ...
+    device_class: str
+    def __init__(self, tasks: _Optional[_Iterable[str]] = ..., gflops: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., upload_bytes_per_s: _Optional[float] = ..., device_class: _Optional[str] = ...) -> None: ...
+
+class DeviceConditions(_message.Message):
+    __slots__ = ("charging", "battery", "network", "idle", "thermal")
+    CHARGING_FIELD_NUMBER: _ClassVar[int]
+    BATTERY_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
+    IDLE_FIELD_NUMBER: _ClassVar[int]
+    THERMAL_FIELD_NUMBER: _ClassVar[int]
+    charging: bool
+    battery: float
+    network: str
+    idle: bool
+    thermal: str
+    def __init__(self, charging: _Optional[bool] = ..., battery: _Optional[float] = ..., network: _Optional[str] = ..., idle: _Optional[bool] = ..., thermal: _Optional[str] = ...) -> None: ...
 
 class EnrolRequest(_message.Message):
     __slots__ = ("protocol_version", "token", "profile")
@@ -53,15 +69,17 @@ class SpeedReply(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PollRequest(_message.Message):
-    __slots__ = ("profile", "p2p_peer_id")
+    __slots__ = ("profile", "p2p_peer_id", "conditions")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     P2P_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONDITIONS_FIELD_NUMBER: _ClassVar[int]
     profile: DeviceProfile
     p2p_peer_id: str
-    def __init__(self, profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., p2p_peer_id: _Optional[str] = ...) -> None: ...
+    conditions: DeviceConditions
+    def __init__(self, profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., p2p_peer_id: _Optional[str] = ..., conditions: _Optional[_Union[DeviceConditions, _Mapping]] = ...) -> None: ...
 
 class TrainTask(_message.Message):
-    __slots__ = ("job_id", "round", "round_token", "task", "config_json", "model_sha256", "model_size", "deadline_unix", "seed", "delta_base_sha256", "delta_sha256", "delta_size")
+    __slots__ = ("job_id", "round", "round_token", "task", "config_json", "model_sha256", "model_size", "deadline_unix", "seed", "delta_base_sha256", "delta_sha256", "delta_size", "uplink_codec")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +92,7 @@ class TrainTask(_message.Message):
     DELTA_BASE_SHA256_FIELD_NUMBER: _ClassVar[int]
     DELTA_SHA256_FIELD_NUMBER: _ClassVar[int]
     DELTA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    UPLINK_CODEC_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     round_token: str
@@ -86,7 +105,8 @@ class TrainTask(_message.Message):
     delta_base_sha256: str
     delta_sha256: str
     delta_size: int
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., task: _Optional[str] = ..., config_json: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., seed: _Optional[int] = ..., delta_base_sha256: _Optional[str] = ..., delta_sha256: _Optional[str] = ..., delta_size: _Optional[int] = ...) -> None: ...
+    uplink_codec: str
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., task: _Optional[str] = ..., config_json: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., seed: _Optional[int] = ..., delta_base_sha256: _Optional[str] = ..., delta_sha256: _Optional[str] = ..., delta_size: _Optional[int] = ..., uplink_codec: _Optional[str] = ...) -> None: ...
 
 class PollReply(_message.Message):
     __slots__ = ("task",)
@@ -95,10 +115,12 @@ class PollReply(_message.Message):
     def __init__(self, task: _Optional[_Union[TrainTask, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("round_token",)
+    __slots__ = ("round_token", "conditions")
     ROUND_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CONDITIONS_FIELD_NUMBER: _ClassVar[int]
     round_token: str
-    def __init__(self, round_token: _Optional[str] = ...) -> None: ...
+    conditions: DeviceConditions
+    def __init__(self, round_token: _Optional[str] = ..., conditions: _Optional[_Union[DeviceConditions, _Mapping]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("round_open",)
@@ -190,6 +212,22 @@ class SubmitReply(_message.Message):
     accepted: bool
     detail: str
     def __init__(self, accepted: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class GiveUpRequest(_message.Message):
+    __slots__ = ("job_id", "round", "round_token", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    round_token: str
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class GiveUpReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("reason",)
@@ -349,13 +387,15 @@ class ListJobsReply(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
 
 class ListDevicesRequest(_message.Message):
-    __slots__ = ("task",)
+    __slots__ = ("task", "job_id")
     TASK_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     task: str
-    def __init__(self, task: _Optional[str] = ...) -> None: ...
+    job_id: str
+    def __init__(self, task: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
-    __slots__ = ("id", "state", "job_id", "reason", "tasks", "gflops", "upload_bytes_per_s", "last_seen", "selected")
+    __slots__ = ("id", "state", "job_id", "reason", "tasks", "gflops", "upload_bytes_per_s", "last_seen", "selected", "device_class", "conditions", "ineligible")
     class SelectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +403,13 @@ class DeviceInfo(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class IneligibleEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +419,9 @@ class DeviceInfo(_message.Message):
     UPLOAD_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     SELECTED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    CONDITIONS_FIELD_NUMBER: _ClassVar[int]
+    INELIGIBLE_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: str
     job_id: str
@@ -381,7 +431,10 @@ class DeviceInfo(_message.Message):
     upload_bytes_per_s: float
     last_seen: float
     selected: _containers.ScalarMap[str, int]
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ..., reason: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., gflops: _Optional[float] = ..., upload_bytes_per_s: _Optional[float] = ..., last_seen: _Optional[float] = ..., selected: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    device_class: str
+    conditions: DeviceConditions
+    ineligible: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ..., reason: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., gflops: _Optional[float] = ..., upload_bytes_per_s: _Optional[float] = ..., last_seen: _Optional[float] = ..., selected: _Optional[_Mapping[str, int]] = ..., device_class: _Optional[str] = ..., conditions: _Optional[_Union[DeviceConditions, _Mapping]] = ..., ineligible: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ListDevicesReply(_message.Message):
     __slots__ = ("devices",)

@@ -74,6 +74,11 @@ class AgentStub:
                 request_serializer=flotilla_dot_proto_dot_flotilla__pb2.AverageReport.SerializeToString,
                 response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.AverageReportReply.FromString,
                 _registered_method=True)
+        self.GiveUp = channel.unary_unary(
+                '/flotilla.v1.Agent/GiveUp',
+                request_serializer=flotilla_dot_proto_dot_flotilla__pb2.GiveUpRequest.SerializeToString,
+                response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.GiveUpReply.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/flotilla.v1.Agent/Leave',
                 request_serializer=flotilla_dot_proto_dot_flotilla__pb2.LeaveRequest.SerializeToString,
@@ -141,6 +146,14 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GiveUp(self, request, context):
+        """The device will not finish this round (its conditions stopped meeting the job's
+        eligibility, its training failed): a dropout now rather than at the deadline.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -189,6 +202,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.ReportAverage,
                     request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.AverageReport.FromString,
                     response_serializer=flotilla_dot_proto_dot_flotilla__pb2.AverageReportReply.SerializeToString,
+            ),
+            'GiveUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.GiveUp,
+                    request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.GiveUpRequest.FromString,
+                    response_serializer=flotilla_dot_proto_dot_flotilla__pb2.GiveUpReply.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -412,6 +430,33 @@ class Agent:
             '/flotilla.v1.Agent/ReportAverage',
             flotilla_dot_proto_dot_flotilla__pb2.AverageReport.SerializeToString,
             flotilla_dot_proto_dot_flotilla__pb2.AverageReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GiveUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flotilla.v1.Agent/GiveUp',
+            flotilla_dot_proto_dot_flotilla__pb2.GiveUpRequest.SerializeToString,
+            flotilla_dot_proto_dot_flotilla__pb2.GiveUpReply.FromString,
             options,
             channel_credentials,
             insecure,

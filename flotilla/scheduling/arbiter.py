@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flotilla.core.device import DeviceProfile
+from flotilla.core.eligibility import EligibilitySection
 from flotilla.scheduling.pool import DevicePool
 from flotilla.scheduling.selector import Selector
 
@@ -31,6 +32,8 @@ class DeviceRequest:
     #: Fewest it can run with; after ``grace_s`` of waiting, that many are enough.
     min_quorum: int
     selector: Selector
+    #: The job's ``[eligibility]``: devices it excludes are never candidates.
+    policy: EligibilitySection | None = None
 
 
 @dataclass(slots=True)
@@ -94,9 +97,9 @@ class Arbiter:
         self._loop_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
-    def idle(self, task: str) -> list[DeviceProfile]:
-        """Idle devices for ``task`` that no job has been granted."""
-        return [p for p in self.pool.idle(task) if p.device_id not in self._reserved]
+    def idle(self, task: str, policy: EligibilitySection | None = None) -> list[DeviceProfile]:
+        """Idle devices for ``task`` (that ``policy`` admits) that no job has been granted."""
+        return [p for p in self.pool.idle(task, policy) if p.device_id not in self._reserved]
 
     async def acquire(self, request: DeviceRequest) -> Grant:
         """Wait until the job can start a round; its devices come reserved for it."""
@@ -138,7 +141,7 @@ class Arbiter:
         grants = []
         for i, waiter in enumerate(ready):
             req = waiter.request
-            candidates = self.idle(req.task)
+            candidates = self.idle(req.task, req.policy)
             if len(candidates) < req.min_quorum:
                 continue  # devices went to older requests; wait for the next pass
             later = len(ready) - i - 1
@@ -164,7 +167,7 @@ class Arbiter:
 
     def _is_ready(self, waiter: _Waiter, now: float) -> bool:
         req = waiter.request
-        free = len(self.idle(req.task))
+        free = len(self.idle(req.task, req.policy))
         if free >= req.want:
             return True
         return free >= req.min_quorum and now - waiter.since >= self._grace_s
@@ -180,11 +183,19 @@ class Arbiter:
         """Give back a grant that will not be redeemed (the job stopped)."""
         grant.redeem()
 
-    def grant_now(self, job_id: str, task: str, want: int, selector: Selector) -> Grant | None:
-        """Up to ``want`` of the idle devices no job has been granted, chosen by
-        ``selector``, reserved for ``job_id`` at once; None when there are none. For
-        modes that top up devices as they come free instead of waiting for a round."""
-        candidates = self.idle(task) if want > 0 else []
+    def grant_now(
+        self,
+        job_id: str,
+        task: str,
+        want: int,
+        selector: Selector,
+        policy: EligibilitySection | None = None,
+    ) -> Grant | None:
+        """Up to ``want`` of the idle devices (that ``policy`` admits) no job has been
+        granted, chosen by ``selector``, reserved for ``job_id`` at once; None when there
+        are none. For modes that top up devices as they come free instead of waiting for a
+        round."""
+        candidates = self.idle(task, policy) if want > 0 else []
         if not candidates:
             return None
         cpu = time.process_time()

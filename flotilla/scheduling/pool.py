@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
+from flotilla.core.eligibility import EligibilitySection, ineligibility
 from flotilla.scheduling.history import FleetHistory, RoundOutcome
 
 
@@ -16,6 +18,13 @@ class DeviceState:
     online: bool = True
     #: The job this device is serving, or None when idle.
     busy_with: str | None = None
+    #: What it last said of its battery, power, network and idleness (unknown until then).
+    conditions: DeviceConditions = field(default_factory=DeviceConditions)
+
+    def qualifies(self, task: str, policy: EligibilitySection | None) -> bool:
+        if task not in self.profile.tasks:
+            return False
+        return policy is None or ineligibility(policy, self.profile, self.conditions) is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +37,7 @@ class DeviceView:
     job_id: str = ""
     reason: str = ""
     last_seen: float = 0.0
+    conditions: DeviceConditions = field(default_factory=DeviceConditions)
 
 
 @dataclass(slots=True)
@@ -60,6 +70,16 @@ class DevicePool:
             state.last_seen = self.clock()
             state.online = True
 
+    def report(self, device_id: str, conditions: DeviceConditions) -> None:
+        """The device's latest conditions (each poll and heartbeat may carry them)."""
+        state = self._devices.get(device_id)
+        if state is not None:
+            state.conditions = conditions
+
+    def conditions(self, device_id: str) -> DeviceConditions | None:
+        state = self._devices.get(device_id)
+        return None if state is None else state.conditions
+
     def touch(self, device_id: str) -> None:
         state = self._devices.get(device_id)
         if state is not None:
@@ -85,21 +105,23 @@ class DevicePool:
             self._devices[device_id].online = False
         return gone
 
-    def idle(self, task: str) -> list[DeviceProfile]:
-        """Online, idle devices that have ``task`` installed, in a stable order."""
+    def idle(self, task: str, policy: EligibilitySection | None = None) -> list[DeviceProfile]:
+        """Online, idle devices that have ``task`` installed and meet ``policy`` (a job's
+        ``[eligibility]``), in a stable order."""
         return [
             s.profile
             for _, s in sorted(self._devices.items())
-            if s.online and s.busy_with is None and task in s.profile.tasks
+            if s.online and s.busy_with is None and s.qualifies(task, policy)
         ]
 
-    def eligible(self, task: str) -> list[DeviceProfile]:
-        """Online devices that have ``task`` installed, busy or not: the population a
-        round samples from (its size is the denominator of the sampling rate)."""
+    def eligible(self, task: str, policy: EligibilitySection | None = None) -> list[DeviceProfile]:
+        """Online devices that have ``task`` installed and meet ``policy``, busy or not:
+        the population a round samples from (its size is the denominator of the sampling
+        rate)."""
         return [
             s.profile
             for _, s in sorted(self._devices.items())
-            if s.online and task in s.profile.tasks
+            if s.online and s.qualifies(task, policy)
         ]
 
     def claim(self, device_ids: list[str], job_id: str) -> None:
@@ -125,22 +147,31 @@ class DevicePool:
         state = self._devices.get(device_id)
         return state is not None and state.online
 
-    def describe(self, task: str = "") -> list[DeviceView]:
+    def describe(
+        self, task: str = "", policy: EligibilitySection | None = None
+    ) -> list[DeviceView]:
         """Every device the pool has seen, in id order; with ``task``, those lacking it are
-        ``ineligible`` (busy and offline say so first)."""
+        ``ineligible``, and with ``policy`` those it excludes, each with the reason (busy
+        and offline say so first)."""
         out = []
         for device_id, s in sorted(self._devices.items()):
+            seen, conditions = s.last_seen, s.conditions
             if not s.online:
-                view = DeviceView(device_id, "offline", last_seen=s.last_seen)
+                view = DeviceView(device_id, "offline", last_seen=seen, conditions=conditions)
             elif s.busy_with is not None:
-                view = DeviceView(device_id, "busy", s.busy_with, last_seen=s.last_seen)
-            elif task and task not in s.profile.tasks:
-                reason = f"task {task} is not installed"
-                view = DeviceView(device_id, "ineligible", reason=reason, last_seen=s.last_seen)
+                view = DeviceView(device_id, "busy", s.busy_with, "", seen, conditions)
+            elif reason := self._excluded(s, task, policy):
+                view = DeviceView(device_id, "ineligible", "", reason, seen, conditions)
             else:
-                view = DeviceView(device_id, "idle", last_seen=s.last_seen)
+                view = DeviceView(device_id, "idle", last_seen=seen, conditions=conditions)
             out.append(view)
         return out
+
+    @staticmethod
+    def _excluded(s: DeviceState, task: str, policy: EligibilitySection | None) -> str | None:
+        if task and task not in s.profile.tasks:
+            return f"task {task} is not installed"
+        return None if policy is None else ineligibility(policy, s.profile, s.conditions)
 
     def __len__(self) -> int:
         return sum(1 for s in self._devices.values() if s.online)

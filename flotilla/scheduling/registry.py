@@ -9,7 +9,8 @@ from types import MappingProxyType
 from typing import Any
 
 from flotilla.core.errors import SpecError
-from flotilla.core.spec import SchedulingSection, build_dataclass
+from flotilla.core.spec import SchedulingSection
+from flotilla.core.tables import build_dataclass
 from flotilla.scheduling.bayesian import BayesianParams, BayesianSelector
 from flotilla.scheduling.cost import CostModel
 from flotilla.scheduling.duration import DurationModel

@@ -23,7 +23,8 @@ from typing import Any
 
 from flotilla.core.errors import SpecError
 from flotilla.core.jobfile import job_specs_from_dict
-from flotilla.core.spec import JobSpec, apply_override, build_dataclass, read_toml
+from flotilla.core.spec import JobSpec, apply_override, read_toml
+from flotilla.core.tables import build_dataclass
 from flotilla.simulation.population import PopulationSection
 
 

@@ -137,7 +137,7 @@ class CharLMParams:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> CharLMParams:
-        from flotilla.core.spec import build_dataclass
+        from flotilla.core.tables import build_dataclass
 
         made = build_dataclass(cls, params, "charlm task", "data.params.")
         if made.context < 2 or made.max_windows < 0:

@@ -132,7 +132,7 @@ class AugmentParams:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> AugmentParams:
-        from flotilla.core.spec import build_dataclass
+        from flotilla.core.tables import build_dataclass
 
         made = build_dataclass(cls, params, "digits task", "data.params.")
         if not 2 <= made.min_samples <= made.max_samples:

@@ -24,6 +24,7 @@ from typing import Any
 
 from flotilla.cli.remote import device_json, job_json
 from flotilla.client import Agent, AgentConfig, LocalTrainer
+from flotilla.client.conditions import ConditionsSource
 from flotilla.core.events import EventSink
 from flotilla.core.jobfile import load_job_specs
 from flotilla.core.timeouts import Timeouts
@@ -74,9 +75,14 @@ class InProcessFederation:
         return token
 
     async def start_agents(
-        self, count: int, task: str = DIGITS, make_task: TaskFactory = _by_name
+        self,
+        count: int,
+        task: str = DIGITS,
+        make_task: TaskFactory = _by_name,
+        conditions: Sequence[ConditionsSource] = (),
     ) -> list[Agent]:
-        """``count`` agents on shards ``i/count``, as ``flotilla client --shard i/count``."""
+        """``count`` agents on shards ``i/count``, as ``flotilla client --shard i/count``;
+        agent ``i`` reads its conditions from ``conditions[i]`` (none reported without)."""
         token = await self.enrol_token()
         started = []
         for i in range(count):
@@ -86,6 +92,7 @@ class InProcessFederation:
                 token=token,
                 trainer=LocalTrainer(training),
                 timeouts=self.agent_timeouts,
+                conditions=conditions[i] if i < len(conditions) else None,
             )
             agent = Agent(config, rng=random.Random(len(self.agents)), transport=self.transport())
             self.agents.append(agent)

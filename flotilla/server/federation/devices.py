@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from flotilla.core.device import DeviceProfile
-from flotilla.core.errors import AuthError
+from flotilla.core.eligibility import EligibilitySection, ineligibility
+from flotilla.core.errors import AuthError, WireError
 from flotilla.core.events import DeviceChanged, EventSink, Fanout
 from flotilla.core.records import DeviceRecord
 from flotilla.core.work import DeviceCredential
-from flotilla.scheduling import DevicePool
+from flotilla.scheduling import DevicePool, DeviceView
 from flotilla.server.federation import auth
 from flotilla.server.federation.store import Store
 from flotilla.server.federation.views import DeviceInfo
 
 #: Seconds a device listing may go without reading the store's devices afresh.
 LISTING_REFRESH_S = 60.0
+#: The longest device class a device may name (the store's column).
+MAX_DEVICE_CLASS = 64
 
 
 def stored_profile(record: DeviceRecord) -> DeviceProfile:
@@ -33,7 +36,13 @@ def stored_profile(record: DeviceRecord) -> DeviceProfile:
         gflops=float(numbers.get("gflops", 0.0)),
         memory_bytes=int(numbers.get("memory_bytes", 0)),
         upload_bytes_per_s=float(numbers.get("upload_bytes_per_s", 0.0)),
+        device_class=record.device_class,
     )
+
+
+def _check_class(profile: DeviceProfile) -> None:
+    if len(profile.device_class) > MAX_DEVICE_CLASS:
+        raise WireError(f"device class is longer than {MAX_DEVICE_CLASS} characters")
 
 
 class Devices:
@@ -67,6 +76,7 @@ class Devices:
     async def enrol(self, token: str, profile: DeviceProfile) -> DeviceCredential:
         if not token or not await self._store.has_enrol_token(auth.hash_secret(token)):
             raise AuthError("enrolment token refused")
+        _check_class(profile)
         device_id = "dev-" + uuid.uuid4().hex[:12]
         secret = auth.new_secret()
         now = self._clock()
@@ -77,6 +87,7 @@ class Devices:
             profile=profile.numbers(),
             enrolled_at=now,
             last_seen_at=now,
+            device_class=profile.device_class,
         )
         await self._store.add_device(record)
         self._known[device_id] = record
@@ -101,8 +112,12 @@ class Devices:
     async def seen(self, device: DeviceRecord, profile: DeviceProfile | None) -> None:
         """A device is alive (and idle by its own account); a new profile replaces the old."""
         if profile is not None:
+            _check_class(profile)
             await self._store.update_device(
-                device.id, profile=profile.numbers(), tasks=tuple(profile.tasks)
+                device.id,
+                profile=profile.numbers(),
+                tasks=tuple(profile.tasks),
+                device_class=profile.device_class,
             )
             device = self._known[device.id] = await self._store.get_device(device.id) or device
             if self._listing is not None:
@@ -121,9 +136,20 @@ class Devices:
             self._listing, self._listed_at = listing, now
         return sorted(self._listing.values(), key=lambda r: (r.enrolled_at, r.id))
 
-    async def infos(self, task: str = "") -> list[DeviceInfo]:
-        """Every enrolled device: the pool's view of those seen since start, the rest offline."""
-        views = {v.device_id: v for v in self._pool.describe(task)}
+    async def infos(
+        self,
+        task: str = "",
+        policy: EligibilitySection | None = None,
+        running: Mapping[str, tuple[str, EligibilitySection]] | None = None,
+    ) -> list[DeviceInfo]:
+        """Every enrolled device: the pool's view of those seen since start, the rest offline.
+
+        With ``task`` (and ``policy``, one job's ``[eligibility]``), an idle device they
+        exclude is ``ineligible`` with the reason. ``running`` (job -> task, policy) adds
+        why each running job may not select a device; an idle device no running job of its
+        task may select is ``ineligible`` too, unless ``task`` was given.
+        """
+        views = {v.device_id: v for v in self._pool.describe(task, policy)}
         history = self._pool.history
         out = []
         for record in await self._records():
@@ -134,18 +160,51 @@ class Devices:
                 if (rec := devices.get(record.id)) is not None
             ]
             profile = stored_profile(record)
+            excluded = _excluded_by(profile, view, running or {})
+            state, reason = (view.state, view.reason) if view else ("offline", "")
+            if state == "idle" and not task and _every_job(profile, excluded, running or {}):
+                state = "ineligible"
+                reason = "; ".join(f"{job}: {why}" for job, why in sorted(excluded.items()))
             out.append(
                 DeviceInfo(
                     id=record.id,
-                    state=view.state if view else "offline",
+                    state=state,
                     job_id=view.job_id if view else "",
-                    reason=view.reason if view else "",
+                    reason=reason,
                     tasks=record.tasks,
                     gflops=profile.gflops,
                     upload_bytes_per_s=profile.upload_bytes_per_s,
                     last_seen=view.last_seen if view else 0.0,
                     selected={job: rec.selected for job, rec in records},
                     delivered={job: rec.delivered for job, rec in records},
+                    device_class=record.device_class,
+                    conditions=view.conditions if view else None,
+                    ineligible=excluded,
                 )
             )
         return out
+
+
+def _excluded_by(
+    profile: DeviceProfile,
+    view: DeviceView | None,
+    running: Mapping[str, tuple[str, EligibilitySection]],
+) -> dict[str, str]:
+    """Running job -> why it may not select this device (jobs of other tasks left out)."""
+    if view is None or view.state == "offline":
+        return {}
+    out = {}
+    for job_id, (task, policy) in running.items():
+        if task in profile.tasks and (why := ineligibility(policy, profile, view.conditions)):
+            out[job_id] = why
+    return out
+
+
+def _every_job(
+    profile: DeviceProfile,
+    excluded: Mapping[str, str],
+    running: Mapping[str, tuple[str, EligibilitySection]],
+) -> bool:
+    """Whether every running job of the device's tasks (at least one) excludes it."""
+    mine = [job for job, (task, _) in running.items() if task in profile.tasks]
+    return bool(mine) and all(job in excluded for job in mine)

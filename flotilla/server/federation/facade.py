@@ -21,7 +21,7 @@ from flotilla.core.blobs import CHUNK_BYTES
 from flotilla.core.blobstore import BlobStore
 from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
-from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError
+from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError, WireError
 from flotilla.core.events import BytesSent, DeviceChanged, EventSink, Fanout, PollAnswered
 from flotilla.core.records import DeviceRecord, JobRecord, RoundRecord
 from flotilla.core.timeouts import Timeouts
@@ -41,6 +41,9 @@ from flotilla.server.federation.uploads import Uploads
 from flotilla.server.federation.views import BlobSlice, DeviceInfo, JobDetail, VolunteerRunInfo
 
 log = logging.getLogger(__name__)
+
+#: The longest reason a device may give for giving up a round (it is logged and recorded).
+MAX_REASON = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,10 +165,14 @@ class Federation:
         conditions: DeviceConditions | None = None,
     ) -> TrainTask | None:
         """The device's next task, waited for a while; None when there is none yet.
-        ``conditions`` (battery, power, network) decide which jobs may select it."""
+        ``conditions`` (battery, power, network; None: as it last said) decide which jobs
+        may select it, and give up a round it was offered that its job's
+        ``[eligibility]`` no longer admits."""
         if p2p_peer_id:
             self._hosted.rendezvous.peer_seen(device.id, p2p_peer_id)
         await self._devices.seen(device, profile)
+        if conditions is not None:
+            self._conditions(device, conditions)
         timeouts = self._config.timeouts
         # A held poll is a live device: hold it for less than the liveness window, so the
         # reaper never drops an agent that is simply waiting for work.
@@ -175,13 +182,30 @@ class Federation:
         self._events.emit(PollAnswered(time.perf_counter() - began))
         return task
 
-    def heartbeat(self, device: DeviceRecord, round_token: str) -> bool:
-        """A training device is alive; whether its round is still open."""
+    def heartbeat(
+        self, device: DeviceRecord, round_token: str, conditions: DeviceConditions | None = None
+    ) -> bool:
+        """A training device is alive; whether its round is still open (for this device:
+        closed once ``conditions`` no longer meet its job's ``[eligibility]``)."""
         back = not self._pool.is_online(device.id)
         self._pool.touch(device.id)
         if back and self._pool.is_online(device.id):
             self._events.emit(DeviceChanged(device.id, "online"))
+        if conditions is not None and round_token in self._conditions(device, conditions):
+            return False
         return self._gateway.round_open(round_token)
+
+    def _conditions(self, device: DeviceRecord, conditions: DeviceConditions) -> set[str]:
+        """Keep the device's latest conditions and give up the rounds they end; the
+        round tokens given up."""
+        self._pool.report(device.id, conditions)
+        ended = self._gateway.judge(device.id, conditions)
+        for ref in ended:
+            log.info(
+                "device %s dropped out of round %s of job %s: its conditions changed",
+                device.id, ref.round, ref.job_id,
+            )  # fmt: skip
+        return {ref.round_token for ref in ended}
 
     async def fetch_model(
         self, device: DeviceRecord, sha256: str
@@ -217,7 +241,11 @@ class Federation:
 
     def report_failure(self, device: DeviceRecord, ref: RoundRef, reason: str) -> None:
         """The device gives up its round with a reason (unplugged, on a metered network,
-        training failed); the round counts it as a dropout at once."""
+        training failed); the round counts it as a dropout at once, with reason
+        ``conditions`` when ``reason`` names one (what ``core.eligibility.ineligibility``
+        says: "not charging", "network metered, unmetered required"...)."""
+        if len(reason) > MAX_REASON:
+            raise WireError(f"a reason is at most {MAX_REASON} characters")
         self._gateway.give_up(device.id, ref, f"reported: {reason or 'no reason given'}")
         log.info(
             "device %s gave up round %s of job %s (%s)", device.id, ref.round, ref.job_id, reason
@@ -260,8 +288,16 @@ class Federation:
         finally:
             self._events.emit(BytesSent("", sent))
 
-    async def list_devices(self, task: str = "") -> list[DeviceInfo]:
-        return await self._devices.infos(task)
+    async def list_devices(self, task: str = "", job_id: str = "") -> list[DeviceInfo]:
+        """Every enrolled device. With ``task``, those lacking it are ``ineligible``; with
+        ``job_id``, those the job may not select now (its task, its ``[eligibility]``), each
+        with the reason. Without either, a device no running job of its task may select
+        is ``ineligible``, and every device names the running jobs that exclude it."""
+        running = self._jobs.policies()
+        if job_id:
+            task, policy = await self._jobs.policy(job_id)
+            return await self._devices.infos(task, policy, running)
+        return await self._devices.infos(task, None, running)
 
     def volunteer_runs(self) -> Sequence[VolunteerRunInfo]:
         return self._hosted.volunteers.infos()

@@ -14,6 +14,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from flotilla.core.conditions import DeviceConditions
+from flotilla.core.eligibility import ineligibility
 from flotilla.core.errors import StaleRoundError, UpdateRejected, WireError
 from flotilla.core.update import Update
 from flotilla.core.work import RoundRef
@@ -135,7 +137,7 @@ class Gateway:
         if offer is not None and offer.order.round_token not in self._rounds:
             self.events.freed(device_id, offer.order.job_id)
             return None
-        return offer
+        return None if offer is None else offer.for_device(device_id)
 
     def _abandon(self, device_id: str) -> None:
         """A device polling while owed an update gave up on it; free it."""
@@ -309,6 +311,26 @@ class Gateway:
         open_round.results.put_nowait(Failed(device_id, reason))
         self.events.freed(device_id, open_round.task.order.job_id)
         open_round.announce()
+
+    def judge(self, device_id: str, conditions: DeviceConditions) -> list[RoundRef]:
+        """Give up, for the device, every round it owes (or was offered) whose job's
+        eligibility ``conditions`` no longer meet: a dropout with reason ``conditions``,
+        whether or not the device itself noticed. The rounds given up."""
+        given_up = []
+        for open_round in list(self._rounds.values()):
+            policy = open_round.task.policy
+            if policy is None or device_id not in open_round.pending:
+                continue
+            why = ineligibility(policy, None, conditions)
+            if why is None:
+                continue
+            order = open_round.task.order
+            offer = self._offers.get(device_id)
+            if offer is not None and offer.order.round_token == order.round_token:
+                del self._offers[device_id]  # offered, not yet picked up: withdrawn
+            self.give_up(device_id, order.ref, f"conditions: {why}")
+            given_up.append(order.ref)
+        return given_up
 
     def leave(self, device_id: str, reason: str) -> None:
         """The device signed off: it fails what it owes and goes offline, free of any job."""

@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
+from flotilla.core.eligibility import EligibilitySection
 from flotilla.core.errors import FlotillaError, NotFoundError, SpecError, TaskLoadError
 from flotilla.core.events import EventSink, Fanout, JobChanged
 from flotilla.core.records import JobRecord
@@ -42,6 +44,8 @@ class Jobs:
         self._tasks = tasks
         self._state_dir = state_dir
         self._runners: dict[str, asyncio.Task[None]] = {}
+        #: Running jobs' task and ``[eligibility]``, for device listings.
+        self._policies: dict[str, tuple[str, EligibilitySection]] = {}
 
     async def resume(self) -> None:
         """Start a runner for every job a previous run of the server left unfinished."""
@@ -62,6 +66,16 @@ class Jobs:
         if job is None:
             raise NotFoundError(f"unknown job {job_id!r}")
         return job
+
+    def policies(self) -> Mapping[str, tuple[str, EligibilitySection]]:
+        """Each running job's task and eligibility policy."""
+        return dict(self._policies)
+
+    async def policy(self, job_id: str) -> tuple[str, EligibilitySection]:
+        """A job's task and eligibility policy (NotFoundError for an unknown job)."""
+        job = await self.get(job_id)
+        spec = JobSpec.from_json(job.spec_json, f"job {job.id}")
+        return spec.job.task, spec.eligibility
 
     def _selector(self, spec: JobSpec) -> Selector:
         """Selection seeded from ``job.seed`` (core/spec.py), as the simulator seeds it."""
@@ -113,6 +127,7 @@ class Jobs:
         job_id = job.id
         try:
             spec = JobSpec.from_json(job.spec_json, f"job {job.id}")
+            self._policies[job_id] = (spec.job.task, spec.eligibility)
             # Importing a task (torch, data) takes seconds: keep it off the event loop.
             evaluator = await asyncio.to_thread(self._tasks.evaluator, spec)
             rng = selection_rng(spec.job.seed)
@@ -130,3 +145,4 @@ class Jobs:
                 await self._fail(job_id)
         finally:
             self._runners.pop(job_id, None)
+            self._policies.pop(job_id, None)

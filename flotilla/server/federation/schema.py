@@ -51,6 +51,7 @@ class DeviceRow(Base):
     profile_json: Mapped[dict[str, float]] = mapped_column(JSON)
     enrolled_at: Mapped[float] = mapped_column(Double)
     last_seen_at: Mapped[float] = mapped_column(Double)
+    device_class: Mapped[str] = mapped_column(String(64), default="", server_default="")
 
 
 class EnrolTokenRow(Base):

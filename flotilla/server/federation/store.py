@@ -135,6 +135,7 @@ def _device_record(row: DeviceRow) -> DeviceRecord:
         profile=dict(row.profile_json),
         enrolled_at=row.enrolled_at,
         last_seen_at=row.last_seen_at,
+        device_class=row.device_class or "",
     )
 
 
@@ -289,6 +290,7 @@ class Store:
             profile_json=_floats(device.profile),
             enrolled_at=device.enrolled_at,
             last_seen_at=device.last_seen_at,
+            device_class=device.device_class,
         )
         try:
             async with self._write.begin() as s:
@@ -317,6 +319,7 @@ class Store:
         profile: Mapping[str, float] | None = None,
         last_seen_at: float | None = None,
         tasks: Iterable[str] | None = None,
+        device_class: str | None = None,
     ) -> DeviceRecord:
         """Replace whichever fields are given; ``profile`` replaces the whole dict."""
         async with self._write.begin() as s:
@@ -329,6 +332,8 @@ class Store:
                 row.last_seen_at = last_seen_at
             if tasks is not None:
                 row.tasks_json = list(tasks)
+            if device_class is not None:
+                row.device_class = device_class
             return _device_record(row)
 
     # -- jobs ------------------------------------------------------------------------------

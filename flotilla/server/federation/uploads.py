@@ -51,11 +51,12 @@ def decode_update(
     return decode_state_with(payload, layout, limit, codec=codec)
 
 
-def update_limit(task: TrainTask) -> int:
-    """Largest payload a device may send for ``task``: checked before any buffer exists."""
+def update_limit(task: TrainTask, device_id: str = "") -> int:
+    """Largest payload ``device_id`` may send for ``task``: checked before any buffer
+    exists."""
     return max(
         sum(s.nbytes for s in task.layout) + HEADER_SLACK,
-        max_payload_bytes(task.codec, task.layout),
+        max_payload_bytes(task.codec_for(device_id), task.layout),
     )
 
 
@@ -210,7 +211,7 @@ class Uploads:
         progress = _Progress()
         try:
             open_round = self._gateway.expect(device_id, ref.job_id, ref.round, ref.round_token)
-            limit = update_limit(open_round.task)
+            limit = update_limit(open_round.task, device_id)
             progress.stage = "size"
             if not 0 <= size <= limit:
                 raise WireError(f"update of {size} bytes exceeds the limit of {limit}")
@@ -265,7 +266,7 @@ class Uploads:
         codec = self._codec(open_round, device_id, head)
         if head.num_samples <= 0:
             raise UpdateRejected("num_samples must be positive")
-        limit = update_limit(open_round.task)
+        limit = update_limit(open_round.task, device_id)
         progress.stage = "size"
         if not 0 <= head.payload_size <= limit:
             raise WireError(f"update of {head.payload_size} bytes exceeds the limit of {limit}")
@@ -315,15 +316,14 @@ class Uploads:
             )
 
     def _codec(self, open_round: OpenRound, device_id: str, head: UploadHeader) -> Codec:
-        codec = open_round.task.codec
+        codec = open_round.task.codec_for(device_id)
         if open_round.task.transport == "p2p":
             self._gateway.expect_upload(open_round, device_id)
             codec = NoneCodec()  # the group's exact average, as the devices applied it
         sent = PLAIN_CODECS.get(head.codec, head.codec)
         if sent != codec.name:
-            raise WireError(
-                f"update codec {head.codec!r}; this job's uplink codec is {codec.name!r}"
-            )
+            whose = "this device's" if device_id in open_round.task.device_codecs else "this job's"
+            raise WireError(f"update codec {head.codec!r}; {whose} uplink codec is {codec.name!r}")
         return codec
 
     async def _read(

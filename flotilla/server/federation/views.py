@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from flotilla.core.conditions import DeviceConditions
 from flotilla.core.records import JobRecord, RoundRecord
 
 
@@ -32,6 +33,12 @@ class DeviceInfo:
     selected: Mapping[str, int] = field(default_factory=dict)
     #: Job id -> rounds this device delivered an update to.
     delivered: Mapping[str, int] = field(default_factory=dict)
+    #: What kind of device it says it is ("" unset).
+    device_class: str = ""
+    #: What it last said of battery, power, network, idleness; None: not seen since start.
+    conditions: DeviceConditions | None = None
+    #: Running job id -> why that job may not select it now (jobs that may are absent).
+    ineligible: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

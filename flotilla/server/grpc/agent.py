@@ -63,12 +63,15 @@ class AgentServicer:
     async def Poll(self, request: pb.PollRequest, context: Context) -> pb.PollReply:
         device = await self._device(context)
         profile = wire.profile_from_pb(request.profile) if request.HasField("profile") else None
-        task = await self._federation.poll(device, profile, request.p2p_peer_id)
+        conditions = wire.conditions_of(request)
+        task = await self._federation.poll(device, profile, request.p2p_peer_id, conditions)
         return pb.PollReply() if task is None else pb.PollReply(task=wire.work_to_pb(task.order))
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatReply:
         device = await self._device(context)
-        return pb.HeartbeatReply(round_open=self._federation.heartbeat(device, request.round_token))
+        conditions = wire.conditions_of(request)
+        round_open = self._federation.heartbeat(device, request.round_token, conditions)
+        return pb.HeartbeatReply(round_open=round_open)
 
     async def FetchModel(self, request: pb.FetchModelRequest, context: Context) -> None:
         device = await self._device(context)
@@ -115,6 +118,11 @@ class AgentServicer:
         report = wire.report_from_pb(device.id, request)
         verdict = await self._federation.report_average(device, wire.round_ref(request), report)
         return pb.AverageReportReply(upload=verdict.upload, round_open=verdict.round_open)
+
+    async def GiveUp(self, request: pb.GiveUpRequest, context: Context) -> pb.GiveUpReply:
+        device = await self._device(context)
+        self._federation.report_failure(device, wire.round_ref(request), request.reason)
+        return pb.GiveUpReply()
 
     async def Leave(self, request: pb.LeaveRequest, context: Context) -> pb.LeaveReply:
         device = await self._device(context)

@@ -42,7 +42,7 @@ class OperatorServicer:
         self, request: pb.ListDevicesRequest, context: Context
     ) -> pb.ListDevicesReply:
         await self._operator(context)
-        devices = await self._federation.list_devices(request.task)
+        devices = await self._federation.list_devices(request.task, request.job_id)
         return pb.ListDevicesReply(devices=[wire.device_info_to_pb(d) for d in devices])
 
     async def ListVolunteerRuns(

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import cast
 
 from flotilla.core.allreduce import Contribution
+from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import WireError
 from flotilla.core.records import JobRecord, RoundRecord
@@ -14,6 +15,7 @@ from flotilla.core.work import RoundRef, UploadHeader, WorkOrder
 from flotilla.engine.backend import Reported
 from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto.bulk import UpdatePart, blob_chunk
+from flotilla.proto.conditions import conditions_from_pb, conditions_to_pb
 from flotilla.server.federation import auth
 from flotilla.server.federation.views import BlobSlice, DeviceInfo, VolunteerRunInfo
 
@@ -48,7 +50,13 @@ def profile_from_pb(msg: pb.DeviceProfile, device_id: str = "") -> DeviceProfile
         gflops=msg.gflops,
         memory_bytes=msg.memory_bytes,
         upload_bytes_per_s=msg.upload_bytes_per_s,
+        device_class=msg.device_class,
     )
+
+
+def conditions_of(msg: pb.PollRequest | pb.HeartbeatRequest) -> DeviceConditions | None:
+    """The conditions a poll or heartbeat carries; None from an agent that sends none."""
+    return conditions_from_pb(msg.conditions) if msg.HasField("conditions") else None
 
 
 def work_to_pb(order: WorkOrder) -> pb.TrainTask:
@@ -65,6 +73,7 @@ def work_to_pb(order: WorkOrder) -> pb.TrainTask:
         delta_base_sha256=order.delta_base_sha256,
         delta_sha256=order.delta_sha256,
         delta_size=order.delta_size,
+        uplink_codec=order.uplink_codec,
     )
 
 
@@ -73,7 +82,9 @@ def blob_to_wire(piece: BlobSlice) -> bytes:
     return blob_chunk(piece.data, piece.offset, piece.total_size, piece.sha256)
 
 
-def round_ref(msg: pb.ReserveUploadRequest | pb.AverageReport | pb.UpdateHeader) -> RoundRef:
+def round_ref(
+    msg: pb.ReserveUploadRequest | pb.AverageReport | pb.UpdateHeader | pb.GiveUpRequest,
+) -> RoundRef:
     return RoundRef(msg.job_id, msg.round, msg.round_token)
 
 
@@ -171,6 +182,9 @@ def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
         upload_bytes_per_s=info.upload_bytes_per_s,
         last_seen=info.last_seen,
         selected=dict(info.selected),
+        device_class=info.device_class,
+        conditions=None if info.conditions is None else conditions_to_pb(info.conditions),
+        ineligible=dict(info.ineligible),
     )
 
 
