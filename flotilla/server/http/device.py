@@ -112,8 +112,8 @@ class DeviceRoutes:
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         device = await self._device(request)
-        token, _ = wire.heartbeat_request(await self._json(request, "heartbeat request"))
-        return respond({"round_open": self._federation.heartbeat(device, token)})
+        token, conditions = wire.heartbeat_request(await self._json(request, "heartbeat request"))
+        return respond({"round_open": self._federation.heartbeat(device, token, conditions)})
 
     async def failure(self, request: web.Request) -> web.Response:
         device = await self._device(request)
