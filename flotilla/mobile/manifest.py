@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 from flotilla.core.errors import SpecError
-from flotilla.core.spec import build_dataclass
+from flotilla.core.tables import build_dataclass
 from flotilla.core.tensors import DTYPES
 
 #: Bumped when a field changes meaning or goes away; readers refuse versions they do not know.
