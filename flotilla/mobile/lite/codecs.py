@@ -154,9 +154,9 @@ def decode_payload(
         for p in codec.pieces(math.prod(s.shape))
     )
     limit = sum(s.nbytes for s in expected) + _HEADER_SLACK
-    meta = read_metadata(payload, limit)
-    if meta != codec.metadata():
-        raise WireError(f"payload metadata {meta!r:.200} is not codec {codec.metadata()!r}")
+    found = _codec_of(read_metadata(payload, limit))
+    if found != codec:
+        raise WireError(f"payload metadata names codec {found}, the job's is {codec}")
     specs, _, _ = read_header(payload, limit)
     if sorted(specs, key=lambda s: s.name) != sorted(expected, key=lambda s: s.name):
         raise WireError("payload pieces differ from what the codec writes for the model")
@@ -167,6 +167,19 @@ def decode_payload(
         mine = {p.name: views[f"{spec.name}{SEP}{p.name}"] for p in codec.pieces(n)}
         out[spec.name] = codec.decode_pieces(mine, n).reshape(spec.shape)
     return out
+
+
+def _codec_of(meta: Mapping[str, str]) -> LiteCodec:
+    """The codec a payload's ``__metadata__`` names; WireError if none this device knows."""
+    if meta.get("format") != FORMAT:
+        raise WireError(f"payload metadata: format {meta.get('format')!r:.40}, not {FORMAT!r}")
+    try:
+        params = json.loads(meta.get("params", "{}"))
+        if not isinstance(params, dict):
+            raise ValueError("params must be a JSON object")
+        return LiteCodec.make(str(meta.get("codec")), params)
+    except (ValueError, RecursionError) as exc:  # SpecError is a ValueError
+        raise WireError(f"payload metadata names no codec this device reads: {exc}") from exc
 
 
 def _flat(name: str, value: np.ndarray) -> np.ndarray:
