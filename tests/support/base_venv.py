@@ -9,6 +9,7 @@ install 8 s). ``--system-site-packages`` would be faster and dishonest: torch wo
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -55,13 +56,22 @@ class BaseVenv:
         return done
 
 
+#: Not part of the source: a build from a copy without them cannot pick up stale files
+#: (setuptools' ``build/lib`` keeps modules deleted since) nor write into the checkout.
+_NOT_SOURCE = (".git", ".venv", "build", "dist", "site", "*.egg-info", "__pycache__",
+               ".*_cache", "test-artifacts", "flotilla-state")  # fmt: skip
+
+
 def make_base_venv(directory: Path) -> BaseVenv:
-    """Create ``directory`` as a venv and ``pip install`` this checkout, without extras."""
+    """Create ``directory`` as a venv and ``pip install`` this checkout (a clean copy of
+    it, beside the venv), without extras."""
+    source = directory.with_name(f"{directory.name}-source")
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*_NOT_SOURCE))
     venv.EnvBuilder(with_pip=True, clear=True).create(directory)
     made = BaseVenv(directory)
     env = {**made.env(), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     done = subprocess.run(
-        bound([str(made.python), "-m", "pip", "install", "--quiet", str(ROOT)]),
+        bound([str(made.python), "-m", "pip", "install", "--quiet", str(source)]),
         cwd=directory, env=env, capture_output=True, text=True,
         timeout=INSTALL_TIMEOUT_S, check=False,
     )  # fmt: skip
