@@ -31,7 +31,8 @@ from flotilla.cli.operator import add_devices_parser, add_job_parser
 from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError, Unreachable
 
 #: What ``flotilla --help`` says first.
-DESCRIPTION = """``flotilla <command>``: server, client, job, devices, data, demo, simulate, volunteer.
+DESCRIPTION = """``flotilla <command>``: server, client, job, devices, data, demo, simulate,
+volunteer.
 
 Errors map to exit codes, not tracebacks.
 """
