@@ -32,11 +32,6 @@ TASKS: Mapping[str, tuple[int, ...]] = MappingProxyType(
         "flotilla.tasks.digits:WideDigitsTask": (1024, 512),
     }
 )
-#: The train options the digits task reads; ``update_momentum`` is the update pipeline's.
-TRAIN_OPTIONS = (
-    "local_epochs", "batch_size", "learning_rate", "momentum", "weight_decay", "proximal_mu",
-    "update_momentum", "params",
-)  # fmt: skip
 _F = np.float32
 #: Checked between batches; a reason to stop (conditions changed), or None to go on.
 StopCheck = Callable[[], "str | None"]
