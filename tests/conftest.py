@@ -20,6 +20,7 @@ from tests.support.processes import AgentFleet, ServerProcess
 
 if TYPE_CHECKING:
     from flotilla.server.federation.store import Store
+    from tests.support.base_venv import BaseVenv
     from tests.support.inproc import InProcessFederation
 
 # Many agents share a couple of cores here: one math thread each, or torch's spinning
@@ -85,3 +86,11 @@ def fleet(server: ServerProcess, tmp_path: Path) -> Iterator[AgentFleet]:
 @pytest.fixture
 def digits_spec() -> Path:
     return Path(__file__).resolve().parent.parent / "examples" / "digits.toml"
+
+
+@pytest.fixture(scope="session")
+def base_venv(tmp_path_factory: pytest.TempPathFactory) -> BaseVenv:
+    """A venv with only ``pip install flotilla`` (no extras), made once per session."""
+    from tests.support.base_venv import make_base_venv
+
+    return make_base_venv(tmp_path_factory.mktemp("base-venv") / "venv")

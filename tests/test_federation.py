@@ -322,7 +322,7 @@ def test_cli_help_for_every_command() -> None:
         [], ["server"], ["server", "token", "create"], ["client"], ["job"],
         ["job", "submit"], ["job", "list"], ["job", "status"], ["job", "cancel"],
         ["job", "export"], ["job", "plot"], ["devices"], ["devices", "list"], ["demo"],
-        ["simulate"], ["volunteer", "runs"], ["volunteer", "status"],
+        ["simulate"], ["volunteer", "runs"], ["volunteer", "status"], ["data"], ["data", "shard"],
     ):  # fmt: skip
         out = flotilla(*args, "--help").stdout
         assert "usage: flotilla" in out

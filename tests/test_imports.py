@@ -19,7 +19,7 @@ from tests.support.lifetime import bound
 
 SUBPACKAGES = [
     "core", "compression", "aggregation", "scheduling", "engine", "client", "tasks", "server",
-    "proto", "simulation", "p2p", "report", "mobile",
+    "proto", "simulation", "p2p", "report", "mobile", "mobile.lite",
 ]  # fmt: skip
 
 
@@ -87,6 +87,12 @@ PACKAGE_CHECKS = {
     "flotilla.p2p": (
         "flotilla.server", "flotilla.client", "flotilla.engine", "flotilla.simulation",
         "sqlalchemy", "grpc",
+    ),
+    # The torch-free device: what the base install has (numpy), and nothing of the server.
+    "flotilla.mobile.lite": (
+        "torch", "grpc", "sklearn", "sqlalchemy", "aiohttp", "hivemind", "safetensors",
+        "google.protobuf", "flotilla.server", "flotilla.client", "flotilla.tasks",
+        "flotilla.compression", "flotilla.proto", "flotilla.engine",
     ),
 }  # fmt: skip
 

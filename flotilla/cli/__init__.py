@@ -1,4 +1,4 @@
-"""``flotilla <command>``: server, client, job, devices, demo, simulate, volunteer.
+"""``flotilla <command>``: server, client, job, devices, data, demo, simulate, volunteer.
 
 Errors map to exit codes, not tracebacks. Each command imports what it needs when it
 runs, so ``flotilla --help`` loads neither grpc nor the database stack.
@@ -10,6 +10,7 @@ runs, so ``flotilla --help`` loads neither grpc nor the database stack.
   ``devices`` commands use, and the JSON shapes they print.
 - ``watch``, ``plot``: ``job status --watch`` and ``job plot``.
 - ``export``: ``job export --format executorch`` (an on-device training program).
+- ``data``: ``flotilla data shard``, a device's shard as a file (for ``flotilla-lite``).
 - ``console``: where log lines go (short on the console, details at ``-v`` or in
   ``--log-file``), clear of progress bars.
 """
@@ -26,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.cli.console import setup_logging
+from flotilla.cli.data import add_data_parser
 from flotilla.cli.operator import add_devices_parser, add_job_parser
 from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError, Unreachable
 
 #: What ``flotilla --help`` says first.
-DESCRIPTION = """``flotilla <command>``: server, client, job, devices, demo, simulate, volunteer.
+DESCRIPTION = """``flotilla <command>``: server, client, job, devices, data, demo, simulate,
+volunteer.
 
 Errors map to exit codes, not tracebacks.
 """
@@ -70,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _client_parser(commands)
     add_job_parser(commands)
     add_devices_parser(commands)
+    add_data_parser(commands)
     demo = commands.add_parser("demo", help="a real local federation: server, 8 agents, 2 jobs")
     demo.add_argument("--agents", type=int, default=8)
     demo.add_argument("--rounds", type=int, default=20)

@@ -1,0 +1,126 @@
+"""``flotilla-lite`` (``python -m flotilla.mobile.lite``): the torch-free reference client.
+
+    flotilla-lite --server http://HOST:PORT --token T --data SHARD.npz
+                  [--state-dir D] [--conditions FILE] [--tls-ca F]
+
+Arguments, the data file and the conditions file are checked before anything connects, so
+a wrong path or a malformed file fails at once with a message that names it. Errors map to
+the exit codes of ``flotilla``: 2 bad arguments or files, 3 refused credentials, 4 not
+found, 5 server unreachable, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError, Unreachable
+from flotilla.mobile.lite.conditions import ConditionsFile
+from flotilla.mobile.lite.data import ShardFile, read_shard
+from flotilla.mobile.lite.rounds import LiteTrainer
+
+EXIT_CODES: dict[type[FlotillaError], int] = {
+    SpecError: 2, AuthError: 3, NotFoundError: 4, Unreachable: 5,
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class LiteOptions:
+    """The command line, checked: what :func:`run` starts from."""
+
+    #: ``http://HOST:PORT`` or ``https://HOST:PORT``, without a trailing slash.
+    server: str
+    token: str
+    data_path: Path
+    data: ShardFile
+    #: None: a temporary directory for this run (nothing survives a restart).
+    state_dir: Path | None
+    conditions: ConditionsFile
+    tls_ca: Path | None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flotilla-lite",
+        description="A torch-free device: trains the digits task in NumPy and speaks only "
+        "the HTTP device protocol (docs/protocol.md, docs/lite-client.md).",
+    )
+    parser.add_argument("--server", required=True, help="http://HOST:PORT (or https://)")
+    parser.add_argument("--token", required=True, help="enrolment token")
+    parser.add_argument(
+        "--data", type=Path, required=True, metavar="SHARD.npz",
+        help="this device's data, as `flotilla data shard` writes it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--state-dir", type=Path, default=None, metavar="D",
+        help="keeps the credential, transfers in progress and per-job state",
+    )  # fmt: skip
+    parser.add_argument(
+        "--conditions", type=Path, default=None, metavar="FILE",
+        help="JSON {charging, battery, network, idle[, thermal]}, re-read at every poll",
+    )  # fmt: skip
+    parser.add_argument("--tls-ca", type=Path, default=None, metavar="F", help="CA for https")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return parser
+
+
+def check_options(args: argparse.Namespace) -> LiteOptions:
+    """SpecError naming the first bad argument or file."""
+    server = _server_url(args.server)
+    if not args.token.strip():
+        raise SpecError("--token is empty")
+    if args.tls_ca is not None:
+        if not server.startswith("https://"):
+            raise SpecError("--tls-ca is for an https:// server")
+        if not args.tls_ca.is_file():
+            raise SpecError(f"--tls-ca: no such file {args.tls_ca}")
+    data = read_shard(args.data)
+    LiteTrainer(data)  # the digits task's checks: 64 pixels in [0, 1], labels 0..9
+    conditions = ConditionsFile(args.conditions)
+    conditions.read()  # a malformed file fails now; later reads treat it as unknown
+    if args.state_dir is not None and args.state_dir.exists() and not args.state_dir.is_dir():
+        raise SpecError(f"--state-dir: {args.state_dir} is not a directory")
+    return LiteOptions(server, args.token, args.data, data, args.state_dir, conditions, args.tls_ca)
+
+
+def _server_url(text: str) -> str:
+    parsed = urllib.parse.urlsplit(text.strip())
+    try:
+        port = parsed.port
+    except ValueError as exc:
+        raise SpecError(f"--server {text!r}: {exc}") from exc
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or port is None:
+        raise SpecError(f"--server must look like http://HOST:PORT, got {text!r}")
+    if parsed.path not in ("", "/") or parsed.query or parsed.fragment:
+        raise SpecError(f"--server takes no path (the protocol lives under /device/v1/): {text!r}")
+    return f"{parsed.scheme}://{parsed.netloc}"
+
+
+def run(options: LiteOptions) -> int:
+    """Enrol, then poll, train and upload until stopped; the exit code."""
+    raise NotImplementedError("needs the HTTP client")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import logging
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return run(check_options(args))
+    except FlotillaError as exc:
+        print(f"flotilla-lite: error: {exc}", file=sys.stderr)
+        return next((c for t, c in EXIT_CODES.items() if isinstance(exc, t)), 1)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
