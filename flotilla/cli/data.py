@@ -37,7 +37,8 @@ def add_data_parser(commands: Any) -> None:
 
 def write_shard_file(args: argparse.Namespace) -> int:
     """Deal the shard with the task's ``load_shard`` and write it with its provenance."""
-    from flotilla.core.spec import DataSection, apply_override, build_dataclass
+    from flotilla.core.spec import DataSection, apply_override
+    from flotilla.core.tables import build_dataclass
     from flotilla.mobile.lite.data import ShardInfo, write_shard
     from flotilla.tasks import Shard, load_task
 
