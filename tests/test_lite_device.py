@@ -4,7 +4,6 @@ unplugged mid-round stops between batches with the reason; a restart keeps its c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import stat
 from pathlib import Path
@@ -13,16 +12,15 @@ import numpy as np
 import pytest
 
 from flotilla.core.conditions import DeviceConditions
-from flotilla.core.errors import IntegrityError, SpecError, WireError
+from flotilla.core.errors import SpecError, WireError
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import encode_state
-from flotilla.core.work import DeviceCredential, RoundRef, WorkOrder
+from flotilla.core.work import DeviceCredential, WorkOrder
 from flotilla.mobile.lite import (
     ConditionsFile,
     DeviceState,
     DigitsModel,
     LiteTrainer,
-    PendingUpload,
     ShardFile,
     ShardInfo,
     Stopped,
@@ -110,51 +108,6 @@ def test_credential_is_private_and_for_one_server(tmp_path: Path) -> None:
     assert state.credential() is None  # unreadable: enrol again, never crash
     state.forget_credential()
     assert not path.exists()
-
-
-def test_download_resumes_where_it_broke_and_checks_the_hash(tmp_path: Path) -> None:
-    blob = initial_model()
-    sha = hashlib.sha256(blob).hexdigest()
-    state = DeviceState(tmp_path, "http://h:1")
-    part = state.download(sha, len(blob))
-    assert part.offset() == 0
-    assert part.append(0, blob[:1000]) == 1000
-    again = DeviceState(tmp_path, "http://h:1").download(sha, len(blob))  # after a restart
-    assert again.offset() == 1000
-    with pytest.raises(WireError, match="at byte 5"):
-        again.append(5, blob[5:10])
-    again.append(1000, blob[1000:])
-    assert again.finish() == blob and again.offset() == 0
-    bad = state.download(sha, len(blob))
-    bad.append(0, b"x" * len(blob))
-    with pytest.raises(IntegrityError):
-        bad.finish()
-    assert bad.offset() == 0, "a corrupt download starts over"
-    with pytest.raises(WireError, match="SHA-256"):
-        state.download("../../etc/passwd", 10)
-
-
-def test_upload_bookkeeping_survives_a_restart(tmp_path: Path) -> None:
-    payload = bytes(range(256)) * 40
-    sha = hashlib.sha256(payload).hexdigest()
-    ref = RoundRef("job", 3, "tok")
-    upload = PendingUpload(ref, sha, len(payload), "int8", 40, {"loss": 0.5}, "up-1")
-    state = DeviceState(tmp_path, "http://h:1")
-    state.save_upload(upload, payload)
-    upload = upload.with_ack(4096, 8192).with_ack(0, 4096)
-    state.save_upload(upload)
-    [(back, data)] = DeviceState(tmp_path, "http://h:1").pending_uploads()
-    assert back == upload and data == payload
-    assert back.acked == ((0, 8192),) and not back.complete
-    assert back.missing(1000) == [(8192, 9192), (9192, 10192), (10192, 10240)]
-    assert back.with_ack(8192, 10240).complete
-    with pytest.raises(WireError):
-        back.with_ack(0, len(payload) + 1)
-    with pytest.raises(IntegrityError):
-        state.save_upload(PendingUpload(ref, SHA, 3, "none", 1), b"abc")
-    (tmp_path / "uploads" / f"{sha}.bin").write_bytes(b"tampered")
-    assert DeviceState(tmp_path, "http://h:1").pending_uploads() == []
-    assert not (tmp_path / "uploads" / f"{sha}.json").exists()
 
 
 def test_job_state_in_the_state_dir_carries_momentum_across_restarts(tmp_path: Path) -> None:

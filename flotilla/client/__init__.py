@@ -6,7 +6,6 @@
 - ``training``: :class:`LocalTrainer`: a task's training turned into an encoded update
   (:class:`TrainWork` in, :class:`TrainOutcome` out).
 - ``channel``: gRPC channel options, device credentials, backoff.
-- ``profile``: what the agent measures about its device.
 
 Never imports server code: a device installs ``flotilla[agent]`` only. Exports load lazily,
 so ``import flotilla.client.training`` does not bring in the agent and grpc.

@@ -22,7 +22,7 @@ from pathlib import Path
 from flotilla.client.backoff import Backoff
 from flotilla.client.config import AgentConfig, rebuild_model
 from flotilla.client.credentials import CredentialFile
-from flotilla.client.profile import matmul_gflops, memory_bytes
+from flotilla.core.measure import matmul_gflops, memory_bytes
 from flotilla.client.training import TrainOutcome, TrainWork
 from flotilla.client.transport import (
     AgentTransport,

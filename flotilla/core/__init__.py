@@ -12,6 +12,7 @@
 - ``device``: :class:`DeviceProfile`.
 - ``conditions``: :class:`DeviceConditions`, battery, power, network and heat at each poll.
 - ``eligibility``: a job's ``[eligibility]`` policy and the one function that judges it.
+- ``measure``: what a device measures about itself (matmul speed, memory) to enrol.
 - ``records``: the durable rows (jobs, rounds, participations, devices).
 - ``commit_rules``: what every ledger enforces on round commits and job states.
 - ``round_config``: :class:`RoundConfig`, the config a training task carries, parsed.

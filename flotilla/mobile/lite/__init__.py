@@ -25,7 +25,7 @@ from flotilla.mobile.lite.conditions import ConditionsFile, job_policy, stop_che
 from flotilla.mobile.lite.data import ShardFile, ShardInfo, read_shard, write_shard
 from flotilla.mobile.lite.mlp import TASKS, DigitsModel, Stopped
 from flotilla.mobile.lite.rounds import JobStates, LiteTrainer, LiteUpdate, MemoryJobStates
-from flotilla.mobile.lite.state import DeviceState, PartialDownload, PendingUpload
+from flotilla.mobile.lite.state import DeviceState
 
 __all__ = [
     "TASKS",
@@ -37,8 +37,6 @@ __all__ = [
     "LiteTrainer",
     "LiteUpdate",
     "MemoryJobStates",
-    "PartialDownload",
-    "PendingUpload",
     "ShardFile",
     "ShardInfo",
     "Stopped",

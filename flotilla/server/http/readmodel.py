@@ -34,7 +34,7 @@ from flotilla.server.http.feed import LiveFeed
 
 log = logging.getLogger(__name__)
 
-#: Device classes by measured matmul GFLOPS (``client.profile``): phones and boards,
+#: Device classes by measured matmul GFLOPS (``core.measure``): phones and boards,
 #: ordinary CPUs, machines with an accelerator or many cores.
 CLASS_BOUNDS: tuple[tuple[float, str], ...] = ((10.0, "light"), (200.0, "cpu"))
 TOP_CLASS = "accelerated"

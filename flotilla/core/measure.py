@@ -1,4 +1,4 @@
-"""What an agent measures about its device before it enrols."""
+"""What a device measures about itself before it enrols (an agent, or a torch-free device)."""
 
 from __future__ import annotations
 
