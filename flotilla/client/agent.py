@@ -22,7 +22,6 @@ from pathlib import Path
 from flotilla.client.backoff import Backoff
 from flotilla.client.config import AgentConfig, rebuild_model
 from flotilla.client.credentials import CredentialFile
-from flotilla.core.measure import matmul_gflops, memory_bytes
 from flotilla.client.training import TrainOutcome, TrainWork
 from flotilla.client.transport import (
     AgentTransport,
@@ -51,6 +50,7 @@ from flotilla.core.errors import (
     Unreachable,
     UpdateRejected,
 )
+from flotilla.core.measure import matmul_gflops, memory_bytes
 from flotilla.core.round_config import RoundConfig
 from flotilla.core.work import UploadHeader, WorkOrder
 

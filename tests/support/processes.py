@@ -177,13 +177,16 @@ class AgentFleet:
     logs: Path
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def start(self, count: int, task: str = DIGITS, extra: tuple[str, ...] = ()) -> None:
+    def start(
+        self, count: int, task: str = DIGITS, extra: tuple[str, ...] = (), of: int | None = None
+    ) -> None:
+        """``count`` agents on shards ``0..count-1`` of ``of`` (default ``count``)."""
         for i in range(count):
             log = (self.logs / f"agent-{len(self.procs)}.log").open("ab")
             cmd = [
                 sys.executable, "-m", "flotilla", "client",
                 "--server", self.server.address, f"--token={self.token}",
-                "--task", task, "--shard", f"{i}/{count}", *extra,
+                "--task", task, "--shard", f"{i}/{of or count}", *extra,
             ]  # fmt: skip
             self.procs.append(subprocess.Popen(bound(cmd), stdout=log, stderr=subprocess.STDOUT))
 

@@ -12,7 +12,11 @@ found, 5 server unreachable, 1 anything else.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import tempfile
+import threading
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +25,10 @@ from pathlib import Path
 from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError, Unreachable
 from flotilla.mobile.lite.conditions import ConditionsFile
 from flotilla.mobile.lite.data import ShardFile, read_shard
+from flotilla.mobile.lite.device import LiteDevice
+from flotilla.mobile.lite.http import HttpDevice
 from flotilla.mobile.lite.rounds import LiteTrainer
+from flotilla.mobile.lite.state import DeviceState
 
 EXIT_CODES: dict[type[FlotillaError], int] = {
     SpecError: 2, AuthError: 3, NotFoundError: 4, Unreachable: 5,
@@ -41,6 +48,9 @@ class LiteOptions:
     state_dir: Path | None
     conditions: ConditionsFile
     tls_ca: Path | None
+    device_class: str = ""
+    #: Stop after this many offered rounds (None: until stopped).
+    max_rounds: int | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON {charging, battery, network, idle[, thermal]}, re-read at every poll",
     )  # fmt: skip
     parser.add_argument("--tls-ca", type=Path, default=None, metavar="F", help="CA for https")
+    parser.add_argument(
+        "--device-class", default="", metavar="C",
+        help="what this device is (phone, sbc, laptop...): jobs may select by class",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-rounds", type=int, default=None, metavar="N",
+        help="leave after N offered rounds (default: serve until stopped)",
+    )  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -84,7 +102,12 @@ def check_options(args: argparse.Namespace) -> LiteOptions:
     conditions.read()  # a malformed file fails now; later reads treat it as unknown
     if args.state_dir is not None and args.state_dir.exists() and not args.state_dir.is_dir():
         raise SpecError(f"--state-dir: {args.state_dir} is not a directory")
-    return LiteOptions(server, args.token, args.data, data, args.state_dir, conditions, args.tls_ca)
+    if args.max_rounds is not None and args.max_rounds < 1:
+        raise SpecError("--max-rounds must be at least 1")
+    return LiteOptions(
+        server, args.token, args.data, data, args.state_dir, conditions, args.tls_ca,
+        args.device_class, args.max_rounds,
+    )  # fmt: skip
 
 
 def _server_url(text: str) -> str:
@@ -101,8 +124,26 @@ def _server_url(text: str) -> str:
 
 
 def run(options: LiteOptions) -> int:
-    """Enrol, then poll, train and upload until stopped; the exit code."""
-    raise NotImplementedError("needs the HTTP client")
+    """Enrol, then poll, train and upload until SIGTERM or Ctrl-C; the exit code."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with contextlib.ExitStack() as stack:
+        state_dir = options.state_dir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="flotilla-lite-"))
+        )
+        http = HttpDevice(options.server, tls_ca=options.tls_ca)
+        device = LiteDevice(
+            http,
+            DeviceState(state_dir, options.server),
+            LiteTrainer(options.data, DeviceState(state_dir, options.server)),
+            options.conditions,
+            options.device_class,
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            device.run(options.token, stop, options.max_rounds)
+        with contextlib.suppress(FlotillaError):
+            http.leave("stopped")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
