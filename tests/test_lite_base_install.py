@@ -18,7 +18,8 @@ from flotilla.mobile.lite import ShardInfo, write_shard
 from flotilla.tasks import DigitsTask, Shard, ShardTraining, model_state
 from tests.support.base_venv import BaseVenv
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# One worker holds the session's base-install venv (made once, ~10 s) for every test using it.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("base-venv")]
 
 DIGITS = "flotilla.tasks.digits:DigitsTask"
 #: Run inside the base venv: what it can import, then one round of the lite trainer.

@@ -15,7 +15,8 @@ from tests.support.base_venv import BaseVenv
 from tests.support.lifetime import bound
 from tests.support.processes import AgentFleet, ServerProcess, flotilla
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+# One worker holds the session's base-install venv (made once, ~10 s) for every test using it.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.xdist_group("base-venv")]
 
 SHARDS = 8
 DIGITS = "flotilla.tasks.digits:DigitsTask"
