@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from flotilla.core.errors import WireError
+from flotilla.core.files import write_private_atomic
 from flotilla.core.tensors import TensorSpec, decode_state, encode_state, read_metadata
 
 log = logging.getLogger(__name__)
@@ -155,19 +156,7 @@ def read_state(
 def write_state(path: Path, key: str, state: Mapping[str, np.ndarray]) -> None:
     """Save ``state`` under ``key`` atomically (temp file, fsync, rename), owner-only."""
     payload = encode_state(dict(state), {"format": _FORMAT, "job_id": key})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    write_private_atomic(path, payload)
     _fsync_dir(path.parent)
 
 

@@ -13,15 +13,14 @@ A file that does not read back as it was written is dropped with a warning, neve
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
 import re
 from pathlib import Path
 
 from flotilla.core.errors import WireError
+from flotilla.core.files import write_private_atomic
 from flotilla.core.tensors import ModelState, decode_state, encode_state, read_metadata
 from flotilla.core.work import DeviceCredential
 
@@ -30,23 +29,6 @@ log = logging.getLogger(__name__)
 CREDENTIAL_FILE = "credential.json"
 _STATE_FORMAT = "flotilla.lite-state/1"
 _MAX_STATE_BYTES = 1 << 34
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Replace ``path`` whole, readable by its owner only: temporary file, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
 
 
 class DeviceState:
@@ -75,7 +57,7 @@ class DeviceState:
     def save_credential(self, credential: DeviceCredential) -> None:
         record = {"server": self.server, "device_id": credential.device_id,
                   "secret": credential.secret}  # fmt: skip
-        write_private(self.directory / CREDENTIAL_FILE, json.dumps(record).encode())
+        write_private_atomic(self.directory / CREDENTIAL_FILE, json.dumps(record).encode())
 
     def forget_credential(self) -> None:
         (self.directory / CREDENTIAL_FILE).unlink(missing_ok=True)
@@ -98,7 +80,7 @@ class DeviceState:
 
     def put(self, kind: str, job_id: str, state: ModelState) -> None:
         meta = {"format": _STATE_FORMAT, "kind": kind, "job_id": job_id}
-        write_private(self._job_path(kind, job_id), encode_state(state, meta))
+        write_private_atomic(self._job_path(kind, job_id), encode_state(state, meta))
 
     def _job_path(self, kind: str, job_id: str) -> Path:
         digest = hashlib.sha256(job_id.encode()).hexdigest()[:32]
