@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,19 @@ def test_lite_clients_and_agents_train_one_job_to_the_target(
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_a_refused_token_stops_the_lite_client_at_once(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    shard = tmp_path / "shard.npz"
+    flotilla("data", "shard", "--task", DIGITS, "--shard", "0/4", "--out", str(shard))
+    done = subprocess.run(
+        bound([sys.executable, "-m", "flotilla.mobile.lite", "--server",
+               f"http://127.0.0.1:{server.http_port}", "--token", "not-a-token",
+               "--data", str(shard), "--state-dir", str(tmp_path / "lite")]),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 3, done
+    assert "refused" in done.stderr and "token" in done.stderr, done.stderr
+    assert not (tmp_path / "lite" / "credential.json").exists()
