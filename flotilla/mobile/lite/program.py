@@ -26,8 +26,9 @@ from flotilla.core.update import COMPUTE_METRIC, LocalRound
 from flotilla.mobile.lite.mlp import SGD, Examples, StopCheck, Stopped, batch_orders
 from flotilla.mobile.lite.mlp import unsupported_train as _unsupported_train
 from flotilla.mobile.manifest import MANIFEST_FILE, ExportManifest, ProgramInfo
-from flotilla.mobile.runtime import as_inputs, load_training_module
+from flotilla.mobile.runtime import as_inputs, load_training_module, training_runtime
 
+PURPOSE = "flotilla-lite --program"
 #: The program's output that holds the predicted labels (accuracy), when it has one.
 PREDICTIONS = "predictions"
 #: A sanity bound on the ``.pte`` read from DIR (the digits MLP's is ~220 KB).
@@ -43,7 +44,7 @@ class ProgramTraining:
         self.manifest = manifest
         # ExecuTorch runs from these bytes in place: they must live as long as the module.
         self._program = program
-        self._module: Any = load_training_module(program, "flotilla-lite --program")
+        self._module: Any = load_training_module(program, PURPOSE)
         self._layout = tuple(TensorSpec(p.name, p.dtype, p.shape) for p in manifest.parameters)
         self._params = self._bind()
 
@@ -51,9 +52,9 @@ class ProgramTraining:
     def load(cls, directory: Path) -> ProgramTraining:
         """Read DIR's manifest strictly, check the program's SHA-256 and load it; SpecError
         (the install hint when ExecuTorch is missing) naming what is wrong."""
+        training_runtime(PURPOSE)  # without ExecuTorch, that is the first thing to say
         manifest = ExportManifest.read(directory / MANIFEST_FILE)
-        program = _read_program(directory, manifest.program)
-        return cls(manifest, program)
+        return cls(manifest, _read_program(directory, manifest.program))
 
     @property
     def tasks(self) -> tuple[str, ...]:
