@@ -41,6 +41,11 @@ class ProgramTraining:
     def __init__(self, manifest: ExportManifest, program: bytes) -> None:
         """Load ``program`` (the ``.pte`` bytes ``manifest`` describes); SpecError when
         ExecuTorch is missing or the program's parameters are not the manifest's."""
+        if len(manifest.inputs) != 2:
+            raise SpecError(
+                f"the program takes {len(manifest.inputs)} inputs; the lite client feeds two "
+                "(the examples and their labels)"
+            )
         self.manifest = manifest
         # ExecuTorch runs from these bytes in place: they must live as long as the module.
         self._program = program
