@@ -285,10 +285,14 @@ PUBLIC_UNDERSCORE = {
     "_exit",  # os._exit: documented; a child that must not run atexit handlers
 }
 
-#: (path, expression) pairs allowed to read a private attribute, each with the reason. All
+#: (path, expression) pairs allowed to read a private attribute, each with the reason. Most
 #: are hivemind's internals in the p2p adapter: hivemind is pinned (``==1.1.12``, pyproject)
 #: and offers no public hook for these, and p2p/ is the one place that may know it.
 ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
+    ("flotilla/mobile/runtime.py", "runtime._load_for_executorch_for_training_from_buffer"): (
+        "ExecuTorch's (experimental) training loader: in executorch.extension.training's "
+        "__all__, its only loader; executorch is pinned (==1.5.1) and runtime.py its one user"
+    ),
     ("flotilla/p2p/averaging.py", "super()._register_allreduce_group"): (
         "a round's verdict group is registered beside hivemind's own; no public hook"
     ),

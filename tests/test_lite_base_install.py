@@ -55,6 +55,13 @@ def test_lite_runs_on_the_base_install(base_venv: BaseVenv, tmp_path: Path) -> N
                       (t.numpy() for t in (*local.train, *local.val)), strict=True))  # fmt: skip
     info = ShardInfo(DIGITS, shard.index, shard.count, spec.data.alpha, spec.data.seed, {})
     write_shard(tmp_path / "shard.npz", arrays, info)
+    (tmp_path / "phone").mkdir()
+    done = base_venv.run(
+        [str(base_venv.script("flotilla-lite")), "--server", "http://127.0.0.1:1", "--token", "t",
+         "--data", str(tmp_path / "shard.npz"), "--program", str(tmp_path / "phone")], tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr  # training through an export needs ExecuTorch
+    assert "pip install 'flotilla[mobile-export]'" in done.stderr and "Traceback" not in done.stderr
     model = encode_state(model_state(task.build_model(5)))
     (tmp_path / "model").write_bytes(model)
     full = spec.to_dict()

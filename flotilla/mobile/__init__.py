@@ -9,8 +9,11 @@ Module map:
   model and loss as an ExecuTorch training program (``.pte``; the ``mobile-export`` extra).
 - ``schema/v1/`` -- JSON Schemas of every message of the HTTP device protocol
   (docs/protocol.md).
+- :mod:`flotilla.mobile.runtime` -- ExecuTorch imported only where used: the pinned
+  version, the install hint, loading a training program (torch-free at import).
 - :mod:`flotilla.mobile.lite` -- the torch-free reference client (``lite.http``: the
-  protocol's standard-library client).
+  protocol's standard-library client; ``lite.program``: ``--program``, training through
+  an export, the lite client's one path to ExecuTorch).
 
 Importing this package imports nothing: each module is imported by whoever needs it, so a
 torch-free device never loads the exporter.

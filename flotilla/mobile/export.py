@@ -11,10 +11,7 @@ dependency (the ``mobile-export`` extra), imported only here and only when expor
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,23 +25,21 @@ from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import DTYPES, ModelState, decode_state, state_spec
 from flotilla.mobile.manifest import (
     DEVICE_PROTOCOL_VERSION,
+    MANIFEST_FILE,
     MANIFEST_VERSION,
+    PROGRAM_FILE,
     BatchInput,
     ExportManifest,
     ParameterEntry,
     ProgramInfo,
     TrainingSettings,
 )
+from flotilla.mobile.runtime import EXECUTORCH_VERSION, INSTALL_HINT, quiet_import
 from flotilla.tasks.base import ExportableTask, load_model_state, load_task, model_state
 
 if TYPE_CHECKING:
     import torch
 
-#: The ExecuTorch release the ``mobile-export`` extra pins and the tests train with.
-EXECUTORCH_VERSION = "1.5.1"
-PROGRAM_FILE = "model.pte"
-MANIFEST_FILE = "manifest.json"
-INSTALL_HINT = "pip install 'flotilla[mobile-export]'"
 _INPUT_NAMES = ("inputs", "labels")
 
 
@@ -88,26 +83,12 @@ def check_exportable_job(spec: JobSpec) -> None:
         )
 
 
-@contextlib.contextmanager
-def _quiet(*loggers: str) -> Iterator[None]:
-    """Hold these loggers to errors: importing ExecuTorch warns about GPU kernels (torchao)
-    and deprecated pytree calls that say nothing to someone exporting a model."""
-    saved = [(logging.getLogger(name), logging.getLogger(name).level) for name in loggers]
-    for logger, _ in saved:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in saved:
-            logger.setLevel(level)
-
-
 def executorch_version() -> str:
     """The installed ExecuTorch's version, or a FlotillaError that says how to install it."""
     try:
         from importlib.metadata import version
 
-        with _quiet("torchao", "torch.utils._pytree"):
+        with quiet_import():
             import executorch.exir  # noqa: F401
     except ImportError as exc:
         raise FlotillaError(

@@ -25,6 +25,9 @@ from flotilla.core.tensors import DTYPES
 MANIFEST_VERSION = 1
 #: The HTTP device protocol (``/device/v1/``) a device uses to fetch models and send updates.
 DEVICE_PROTOCOL_VERSION = 1
+#: The files ``flotilla job export --format executorch --out DIR`` writes in DIR.
+PROGRAM_FILE = "model.pte"
+MANIFEST_FILE = "manifest.json"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 

@@ -8,7 +8,11 @@ must do.
   byte for byte the server's format; :func:`supported_codecs`.
 - ``rounds``: :class:`LiteTrainer`, a work order and the model's bytes in, the upload
   (:class:`LiteUpdate`) or why it stopped (:class:`Stopped`) out; ``unsupported`` names
-  what this device cannot do before it tries.
+  what this device cannot do before it tries. Its local training is a
+  :class:`LocalTraining`: :class:`MlpTraining` (NumPy) by default.
+- ``program``: ``ProgramTraining``, the other :class:`LocalTraining`: rounds through an
+  exported ExecuTorch program (``--program DIR``). Not imported here: it is the one module
+  that reaches ExecuTorch and torch (through ``flotilla.mobile.runtime``, lazily).
 - ``data``: the shard file ``flotilla data shard`` writes, read strictly.
 - ``conditions``: the ``--conditions`` file and the job's ``[eligibility]`` policy, as a
   ``should_stop`` check between batches.
@@ -24,7 +28,14 @@ from flotilla.mobile.lite.codecs import LiteCodec, supported_codecs
 from flotilla.mobile.lite.conditions import ConditionsFile, job_policy, stop_check
 from flotilla.mobile.lite.data import ShardFile, ShardInfo, read_shard, write_shard
 from flotilla.mobile.lite.mlp import TASKS, DigitsModel, Stopped
-from flotilla.mobile.lite.rounds import JobStates, LiteTrainer, LiteUpdate, MemoryJobStates
+from flotilla.mobile.lite.rounds import (
+    JobStates,
+    LiteTrainer,
+    LiteUpdate,
+    LocalTraining,
+    MemoryJobStates,
+    MlpTraining,
+)
 from flotilla.mobile.lite.state import DeviceState
 
 __all__ = [
@@ -36,7 +47,9 @@ __all__ = [
     "LiteCodec",
     "LiteTrainer",
     "LiteUpdate",
+    "LocalTraining",
     "MemoryJobStates",
+    "MlpTraining",
     "ShardFile",
     "ShardInfo",
     "Stopped",

@@ -1,7 +1,10 @@
 """``flotilla-lite`` (``python -m flotilla.mobile.lite``): the torch-free reference client.
 
     flotilla-lite --server http://HOST:PORT --token T --data SHARD.npz
-                  [--state-dir D] [--conditions FILE] [--tls-ca F]
+                  [--state-dir D] [--conditions FILE] [--tls-ca F] [--program DIR]
+
+``--program DIR`` trains through the ExecuTorch program ``flotilla job export`` wrote in DIR
+instead of the NumPy MLP; only that option imports ExecuTorch (the ``mobile-export`` extra).
 
 Arguments, the data file and the conditions file are checked before anything connects, so
 a wrong path or a malformed file fails at once with a message that names it. Errors map to
@@ -27,7 +30,8 @@ from flotilla.mobile.lite.conditions import ConditionsFile
 from flotilla.mobile.lite.data import ShardFile, read_shard
 from flotilla.mobile.lite.device import LiteDevice
 from flotilla.mobile.lite.http import HttpDevice
-from flotilla.mobile.lite.rounds import LiteTrainer
+from flotilla.mobile.lite.mlp import Examples
+from flotilla.mobile.lite.rounds import LiteTrainer, LocalTraining
 from flotilla.mobile.lite.state import DeviceState
 
 EXIT_CODES: dict[type[FlotillaError], int] = {
@@ -51,6 +55,8 @@ class LiteOptions:
     device_class: str = ""
     #: Stop after this many offered rounds (None: until stopped).
     max_rounds: int | None = None
+    #: How rounds are trained: None for the NumPy MLP, or the ``--program`` it loaded.
+    training: LocalTraining | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-rounds", type=int, default=None, metavar="N",
         help="leave after N offered rounds (default: serve until stopped)",
     )  # fmt: skip
+    parser.add_argument(
+        "--program", type=Path, default=None, metavar="DIR",
+        help="train through the ExecuTorch program `flotilla job export ID --format "
+        "executorch --out DIR` wrote (needs the mobile-export extra)",
+    )  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -104,10 +115,24 @@ def check_options(args: argparse.Namespace) -> LiteOptions:
         raise SpecError(f"--state-dir: {args.state_dir} is not a directory")
     if args.max_rounds is not None and args.max_rounds < 1:
         raise SpecError("--max-rounds must be at least 1")
+    training = None if args.program is None else _program(args.program, data)
     return LiteOptions(
         server, args.token, args.data, data, args.state_dir, conditions, args.tls_ca,
-        args.device_class, args.max_rounds,
+        args.device_class, args.max_rounds, training,
     )  # fmt: skip
+
+
+def _program(directory: Path, data: ShardFile) -> LocalTraining:
+    """``--program DIR`` loaded and checked against the data; SpecError (exit 2) when DIR is
+    not an export or ExecuTorch is not installed. Imported here only: the base install has
+    no ExecuTorch, and the rest of the lite client never needs it."""
+    if not directory.is_dir():
+        raise SpecError(f"--program: {directory} is not a directory")
+    from flotilla.mobile.lite.program import ProgramTraining
+
+    training = ProgramTraining.load(directory)
+    training.check_examples(Examples(data.x_train, data.y_train))
+    return training
 
 
 def _server_url(text: str) -> str:
@@ -135,7 +160,7 @@ def run(options: LiteOptions) -> int:
         device = LiteDevice(
             http,
             DeviceState(state_dir, options.server),
-            LiteTrainer(options.data, DeviceState(state_dir, options.server)),
+            LiteTrainer(options.data, DeviceState(state_dir, options.server), options.training),
             options.conditions,
             options.device_class,
         )

@@ -20,7 +20,7 @@ from flotilla.core.measure import matmul_gflops, memory_bytes
 from flotilla.core.work import RoundRef
 from flotilla.mobile.lite.conditions import ConditionsFile, job_policy, stop_check
 from flotilla.mobile.lite.http import HttpDevice, OfferedTask
-from flotilla.mobile.lite.mlp import TASKS, StopCheck, Stopped
+from flotilla.mobile.lite.mlp import StopCheck, Stopped
 from flotilla.mobile.lite.rounds import LiteTrainer
 from flotilla.mobile.lite.state import DeviceState
 
@@ -58,7 +58,7 @@ class LiteDevice:
         self.conditions = conditions
         self.profile = DeviceProfile(
             device_id="",
-            tasks=tuple(TASKS),
+            tasks=trainer.tasks,
             gflops=matmul_gflops(seconds=0.1),
             memory_bytes=memory_bytes(),
             device_class=device_class,

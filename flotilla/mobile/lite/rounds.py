@@ -5,6 +5,10 @@ train the digits MLP, take the delta from the global model, smooth it with the j
 update momentum, encode it with the round's uplink codec (with error feedback when the job
 asks). Before any of that, :meth:`LiteTrainer.unsupported` says why this device cannot do
 a round exactly as asked, so the device reports that reason instead of sending garbage.
+
+The local training itself is a :class:`LocalTraining`: :class:`MlpTraining` (the NumPy MLP)
+by default, or ``flotilla.mobile.program.ProgramTraining`` (an exported ExecuTorch program,
+``flotilla-lite --program``); everything around it is the same for both.
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ import numpy as np
 from flotilla.core.blobs import sha256_hex
 from flotilla.core.errors import FlotillaError, SpecError, WireError
 from flotilla.core.round_config import RoundConfig
-from flotilla.core.tensors import ModelState, decode_state
+from flotilla.core.spec import TrainSection
+from flotilla.core.tensors import ModelState, TensorSpec, decode_state
+from flotilla.core.update import LocalRound
 from flotilla.core.work import WorkOrder
 from flotilla.mobile.lite.codecs import LiteCodec, decode_payload, encode_update
 from flotilla.mobile.lite.data import ShardFile
 from flotilla.mobile.lite.mlp import (
     CLASSES,
     INPUTS,
+    TASKS,
     DigitsModel,
     Examples,
     StopCheck,
@@ -60,6 +67,59 @@ class MemoryJobStates:
         self._states[(kind, job_id)] = dict(state)
 
 
+class LocalTraining(Protocol):
+    """How a device trains one round from the global model (the part a phone SDK swaps)."""
+
+    #: The task entry points this training can do (what the device tells the server).
+    @property
+    def tasks(self) -> tuple[str, ...]: ...
+
+    def layout(self, task: str, train: TrainSection) -> tuple[TensorSpec, ...]:
+        """``task``'s tensors as they travel; a FlotillaError that says why this device
+        cannot train ``task`` with ``train`` exactly as a torch agent would."""
+        ...
+
+    def fit(
+        self,
+        task: str,
+        state: ModelState,
+        data: tuple[Examples, Examples],
+        train: TrainSection,
+        seed: int,
+        should_stop: StopCheck | None,
+    ) -> LocalRound | Stopped:
+        """One round on ``(train, val)`` examples from the global ``state`` (laid out as
+        :meth:`layout` says), batches in :func:`~flotilla.mobile.lite.mlp.batch_orders`."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class MlpTraining:
+    """The digits MLP in NumPy (:mod:`flotilla.mobile.lite.mlp`)."""
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(TASKS)
+
+    def layout(self, task: str, train: TrainSection) -> tuple[TensorSpec, ...]:
+        model = DigitsModel.for_task(task)
+        problem = unsupported_train(train)
+        if problem is not None:
+            raise SpecError(problem)
+        return model.layout()
+
+    def fit(
+        self,
+        task: str,
+        state: ModelState,
+        data: tuple[Examples, Examples],
+        train: TrainSection,
+        seed: int,
+        should_stop: StopCheck | None,
+    ) -> LocalRound | Stopped:
+        return train_round(DigitsModel.for_task(task), state, data, train, seed, should_stop)
+
+
 @dataclass(frozen=True, slots=True)
 class LiteUpdate:
     """What the device uploads for a round, and the upload header's fields."""
@@ -83,12 +143,23 @@ def round_codec(order: WorkOrder, config: RoundConfig) -> LiteCodec:
 class LiteTrainer:
     """Trains rounds of a digits job on this device's shard file."""
 
-    def __init__(self, data: ShardFile, states: JobStates | None = None) -> None:
+    def __init__(
+        self,
+        data: ShardFile,
+        states: JobStates | None = None,
+        training: LocalTraining | None = None,
+    ) -> None:
         """SpecError when ``data`` is not digits (64 pixels in [0, 1], labels 0..9)."""
         _check_digits(data)
         self.data = data
         self.states: JobStates = states if states is not None else MemoryJobStates()
+        self.training: LocalTraining = training if training is not None else MlpTraining()
         self._examples = (Examples(data.x_train, data.y_train), Examples(data.x_val, data.y_val))
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The tasks this device trains."""
+        return self.training.tasks
 
     def unsupported(self, order: WorkOrder) -> str | None:
         """Why this device cannot do ``order``'s round exactly as a torch agent would."""
@@ -98,26 +169,23 @@ class LiteTrainer:
             return str(exc)
         return None
 
-    def _plan(self, order: WorkOrder) -> tuple[DigitsModel, RoundConfig, LiteCodec]:
-        model = DigitsModel.for_task(order.task)
+    def _plan(self, order: WorkOrder) -> tuple[tuple[TensorSpec, ...], RoundConfig, LiteCodec]:
         config = RoundConfig.from_json(order.config_json)
         if config.p2p is not None:
             raise SpecError("server-less (p2p) rounds need a peer-to-peer device (the p2p extra)")
-        problem = unsupported_train(config.train)
-        if problem is not None:
-            raise SpecError(problem)
+        layout = self.training.layout(order.task, config.train)
         codec = round_codec(order, config)
         spec = config.compression
         if spec.downlink != "none" and not spec.downlink_delta:
             LiteCodec.make(spec.downlink, spec.downlink_params)
-            if config.layout != model.layout():
+            if config.layout != layout:
                 raise WireError("a compressed broadcast needs the model's layout in the task")
         raw = json.loads(order.config_json)
         if raw.get("eligibility") is not None:
             from flotilla.core.eligibility import EligibilitySection
 
             EligibilitySection.from_dict(raw["eligibility"])
-        return model, config, codec
+        return layout, config, codec
 
     def train(
         self,
@@ -129,10 +197,10 @@ class LiteTrainer:
         against the order's SHA-256); Stopped when ``should_stop`` gives a reason.
         FlotillaError (SpecError, TaskLoadError, WireError) for what :meth:`unsupported`
         names, and WireError or UpdateRejected for a broadcast that is not the model."""
-        model, config, codec = self._plan(order)
-        global_state = _decode_model(model, config, model_bytes)
-        trained = train_round(
-            model, global_state, self._examples, config.train, int(order.seed), should_stop
+        layout, config, codec = self._plan(order)
+        global_state = _decode_model(layout, config, model_bytes)
+        trained = self.training.fit(
+            order.task, global_state, self._examples, config.train, int(order.seed), should_stop
         )
         if isinstance(trained, Stopped):
             return trained
@@ -163,11 +231,10 @@ class LiteTrainer:
 
 
 def _decode_model(
-    model: DigitsModel, config: RoundConfig, payload: bytes | bytearray | memoryview
+    layout: tuple[TensorSpec, ...], config: RoundConfig, payload: bytes | bytearray | memoryview
 ) -> ModelState:
     """The broadcast: plain safetensors, or the job's downlink codec payload."""
     spec = config.compression
-    layout = model.layout()
     if spec.downlink == "none" or spec.downlink_delta:  # whole models travel plain then
         limit = sum(s.nbytes for s in layout) + _HEADER_SLACK
         return decode_state(payload, layout, limit)
