@@ -61,9 +61,7 @@ from provenance import revision  # noqa: E402
 from flotilla.cli.remote import RemoteServer  # noqa: E402
 from flotilla.core.device import DeviceProfile  # noqa: E402
 from flotilla.core.spec import JobSpec  # noqa: E402
-from flotilla.core.work import DeviceCredential  # noqa: E402
-from flotilla.proto import flotilla_pb2 as pb  # noqa: E402
-
+from flotilla.core.work import DeviceCredential, RoundRef  # noqa: E402
 
 TASK = "flotilla.tasks.synthetic:Linear100K"
 P99_OVERHEAD_LIMIT_MS = 250.0
@@ -71,6 +69,8 @@ CPU_RATIO_LIMIT = 2.0
 #: Devices enrolling (and leaving) at once: a fleet's first contact is not the measurement.
 ENROL_CONCURRENCY = 64
 JOB_TIMEOUT_S = 600.0
+#: A device waits at most this long for the rest of its round before it uploads anyway.
+LINE_UP_S = 30.0
 FAILURES = (RuntimeError, aiohttp.ClientError, grpc.aio.AioRpcError, asyncio.TimeoutError)
 
 
@@ -83,6 +83,8 @@ class Plan:
     rounds: int
     blocks: int
     chunk_bytes: int
+    #: A second set of upload jobs with this chunk size (0: none).
+    small_chunk_bytes: int
 
 
 @dataclass
@@ -90,10 +92,24 @@ class Tally:
     """What one phase's devices saw; appended to by every device task (one event loop)."""
 
     polls: list[float] = field(default_factory=list)  # seconds, empty answers in the window
-    window: tuple[float, float] = (0.0, float("inf"))
+    window: tuple[float, float] = (float("inf"), 0.0)  # none until a window is set
     offers: list[tuple[str, int, float]] = field(default_factory=list)  # job, round, unix time
     uploads: list[tuple[str, int, float, float, int]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: Devices per round: each round's uploads wait for all of its downloads, so they run
+    #: together and the round's upload rate is the edge's, not the download queue's.
+    together: int = 0
+    _lined: dict[tuple[str, int], int] = field(default_factory=dict)
+    _go: dict[tuple[str, int], asyncio.Event] = field(default_factory=dict)
+
+    async def line_up(self, ref: RoundRef) -> None:
+        key = (ref.job_id, ref.round)
+        go = self._go.setdefault(key, asyncio.Event())
+        self._lined[key] = self._lined.get(key, 0) + 1
+        if self._lined[key] >= self.together:
+            go.set()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(go.wait(), LINE_UP_S)
 
     def empty_poll(self, began: float, ended: float) -> None:
         if self.window[0] <= began and ended <= self.window[1]:
@@ -101,7 +117,12 @@ class Tally:
 
 
 async def device(
-    fleet: Fleet, me: DeviceCredential, stop: asyncio.Event, tally: Tally, work: SharedUpdate
+    fleet: Fleet,
+    me: DeviceCredential,
+    stop: asyncio.Event,
+    tally: Tally,
+    work: SharedUpdate,
+    chunk: int,
 ) -> None:
     """A device's loop: poll; with a task, fetch the model and upload the shared update."""
     while not stop.is_set():
@@ -113,8 +134,9 @@ async def device(
                 continue
             tally.offers.append((offer.ref.job_id, offer.ref.round, time.time()))
             update = work.of(await fleet.fetch(me, offer))
+            await tally.line_up(offer.ref)
             sent = time.perf_counter()
-            await fleet.upload(me, offer, update, work.sha256)
+            await fleet.upload(me, offer, update, work.sha256, chunk)
             ref = offer.ref
             tally.uploads.append((ref.job_id, ref.round, sent, time.perf_counter(), len(update)))
         except FAILURES as exc:
@@ -123,13 +145,19 @@ async def device(
 
 
 async def run_fleet(
-    fleet: Fleet, devices: list[DeviceCredential], tally: Tally, work: SharedUpdate, stagger_s: float
+    fleet: Fleet,
+    devices: list[DeviceCredential],
+    tally: Tally,
+    work: SharedUpdate,
+    stagger_s: float,
+    chunk: int = 0,
 ) -> tuple[asyncio.Event, list[asyncio.Task[None]]]:
+    """Every device's loop, each started at a random moment within ``stagger_s``."""
     stop = asyncio.Event()
 
     async def one(me: DeviceCredential) -> None:
         await asyncio.sleep(random.uniform(0.0, stagger_s))
-        await device(fleet, me, stop, tally, work)
+        await device(fleet, me, stop, tally, work, chunk)
 
     return stop, [asyncio.ensure_future(one(d)) for d in devices]
 
@@ -161,7 +189,12 @@ def pct(samples: list[float], q: float) -> float:
 
 def spread_ms(samples_s: list[float]) -> dict[str, float]:
     ms = [s * 1000 for s in samples_s]
-    return {"p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "max": max(ms, default=float("nan"))}
+    return {
+        "min": min(ms, default=float("nan")),
+        "p50": pct(ms, 0.5),
+        "p99": pct(ms, 0.99),
+        "max": max(ms, default=float("nan")),
+    }
 
 
 # --- phases ----------------------------------------------------------------------------------
@@ -194,6 +227,7 @@ async def poll_phase(
         "server_cpu_ms_per_poll": 1000 * server_cpu / max(1, polls),
         "server_cpu_share": server_cpu / plan.window_s,
         "client_cpu_s": client_cpu,
+        "client_cpu_share": client_cpu / plan.window_s,
         "offers": len(tally.offers),
         "errors": len(tally.errors),
         "first_errors": tally.errors[:3],
@@ -206,11 +240,12 @@ async def upload_job(
     plan: Plan,
     server: tuple[str, str, int],
     rounds: int,
+    chunk: int,
 ) -> dict[str, Any]:
     """One job on ``devices`` (all of them every round), its devices polling only meanwhile."""
     address, operator, pid = server
-    tally, work = Tally(), SharedUpdate()
-    stop, tasks = await run_fleet(fleet, devices, tally, work, 0.0)
+    tally, work = Tally(together=len(devices)), SharedUpdate()
+    stop, tasks = await run_fleet(fleet, devices, tally, work, 0.0, chunk)
     spec = JobSpec.from_dict(
         {"job": {"name": f"edge-{fleet.edge}", "task": TASK, "rounds": rounds,
                  "clients_per_round": len(devices), "min_quorum": len(devices),
@@ -298,13 +333,31 @@ def start_server(work: Path, hold_s: float) -> tuple[Process, str, str]:
     return server, base.rstrip("/"), (state / "operator.token").read_text().strip()
 
 
+async def upload_blocks(
+    fleets: dict[str, Fleet],
+    devices: dict[str, list[DeviceCredential]],
+    plan: Plan,
+    target: tuple[str, str, int],
+    chunk: int,
+) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """``plan.blocks`` jobs per edge, the edges alternating; each edge's numbers."""
+    jobs: dict[str, list[dict[str, Any]]] = {edge: [] for edge in fleets}
+    for _ in range(plan.blocks):
+        for edge, fleet in fleets.items():
+            uploaders = devices[edge][: plan.uploaders]
+            jobs[edge].append(await upload_job(fleet, uploaders, plan, target, plan.rounds, chunk))
+            cpu = jobs[edge][-1]["server_cpu"]
+            progress(f"upload {edge}, chunks {chunk or 'as advised'}: {cpu:.2f} s server CPU")
+    return {edge: upload_numbers(js) for edge, js in jobs.items()}, jobs
+
+
 async def run(plan: Plan, work: Path) -> dict[str, Any]:
     server, base, operator = start_server(work, plan.hold_s)
     state = str(work / "state")
     token = flotilla_cli("server", "token", "create", "--state-dir", state).strip().split()[-1]
     fleets: dict[str, Fleet] = {
-        "http": HttpFleet(base, plan.hold_s, plan.chunk_bytes),
-        "grpc": GrpcFleet(server.address, plan.hold_s, plan.chunk_bytes),
+        "http": HttpFleet(base, plan.hold_s),
+        "grpc": GrpcFleet(server.address, plan.hold_s),
     }
     profile = DeviceProfile("", tasks=(TASK,), gflops=2.0, device_class="phone")
     out: dict[str, Any] = {"enrol_s": {}, "poll": {}, "upload": {}}
@@ -319,17 +372,12 @@ async def run(plan: Plan, work: Path) -> dict[str, Any]:
             progress(f"poll {edge}: {out['poll'][edge]['over_hold_ms']}")
         target = (server.address, operator, server.pid)
         for edge, fleet in fleets.items():  # the first job imports torch; rounds warm caches
-            await upload_job(fleet, devices[edge][: plan.uploaders], plan, target, 1)
-        jobs: dict[str, list[dict[str, Any]]] = {edge: [] for edge in fleets}
-        for _ in range(plan.blocks):
-            for edge, fleet in fleets.items():
-                uploaders = devices[edge][: plan.uploaders]
-                jobs[edge].append(await upload_job(fleet, uploaders, plan, target, plan.rounds))
-                progress(f"upload {edge}: {jobs[edge][-1]['server_cpu']:.2f} s server CPU")
-        out["upload"] = {edge: upload_numbers(js) for edge, js in jobs.items()}
-        info: pb.JobInfo = jobs["http"][0]["info"]
+            await upload_job(fleet, devices[edge][: plan.uploaders], plan, target, 1, 0)
+        out["upload"], jobs = await upload_blocks(fleets, devices, plan, target, plan.chunk_bytes)
+        if plan.small_chunk_bytes:
+            small, _ = await upload_blocks(fleets, devices, plan, target, plan.small_chunk_bytes)
+            out["upload_small_chunks"] = {"chunk_bytes": plan.small_chunk_bytes, **small}
         out["update_bytes"] = jobs["http"][0]["tally"].uploads[0][4]
-        out["task"] = info.task
     finally:
         for fleet in fleets.values():
             await fleet.aclose()
@@ -388,8 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=1000)
     parser.add_argument("--hold", type=float, default=2.0, help="server poll hold, seconds")
     parser.add_argument("--uploaders", type=int, default=100, help="devices per upload round")
-    parser.add_argument("--chunk-bytes", type=int, default=0,
-                        help="upload chunk size (0: what the HTTP edge advises, 1 MiB)")  # fmt: skip
+    parser.add_argument(
+        "--chunk-bytes", type=int, default=0, help="upload chunks (0: as the edge advises, 1 MiB)"
+    )
+    parser.add_argument(
+        "--small-chunk-bytes", type=int, default=64 * 1024,
+        help="full runs: the upload jobs again in chunks of this size (0: not)",
+    )  # fmt: skip
     parser.add_argument("--keep", action="store_true", help="keep the state and logs")
     args = parser.parse_args(argv)
     plan = Plan(
@@ -400,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds=3 if args.quick else 10,
         blocks=1 if args.quick else 2,
         chunk_bytes=args.chunk_bytes,
+        small_chunk_bytes=0 if args.quick else args.small_chunk_bytes,
     )
     load = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="flotilla-bench-edge-"))

@@ -20,7 +20,7 @@ import grpc
 
 from flotilla.client.channel import credential_metadata
 from flotilla.client.grpc_transport import header_to_pb, profile_to_pb
-from flotilla.core.blobs import sha256_hex
+from flotilla.core.blobs import CHUNK_BYTES, sha256_hex
 from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
 from flotilla.core.tensors import decode_state, encode_state
@@ -71,8 +71,10 @@ class Fleet(Protocol):
     async def poll(self, device: DeviceCredential) -> Offer | None: ...
     async def fetch(self, device: DeviceCredential, offer: Offer) -> bytes: ...
     async def upload(
-        self, device: DeviceCredential, offer: Offer, update: bytes, sha256: str
-    ) -> None: ...
+        self, device: DeviceCredential, offer: Offer, update: bytes, sha256: str, chunk: int
+    ) -> None:
+        """Upload ``update`` in chunks of ``chunk`` bytes (0: the edge's own size)."""
+
     async def leave(self, device: DeviceCredential) -> None: ...
     async def aclose(self) -> None: ...
 
@@ -82,10 +84,9 @@ class HttpFleet:
 
     edge = "http"
 
-    def __init__(self, base: str, hold_s: float, chunk_bytes: int) -> None:
+    def __init__(self, base: str, hold_s: float) -> None:
         self._base = base.rstrip("/")
         self._api = self._base + "/device/v1"
-        self._chunk = chunk_bytes
         self._http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=SLACK_S + hold_s),
@@ -122,15 +123,17 @@ class HttpFleet:
             return await r.read()
 
     async def upload(
-        self, device: DeviceCredential, offer: Offer, update: bytes, sha256: str
+        self, device: DeviceCredential, offer: Offer, update: bytes, sha256: str, chunk: int
     ) -> None:
         """Create, the chunks in order, finalize: the protocol's resumable upload, unbroken."""
         ref, size = offer.ref, len(update)
-        body = {"job_id": ref.job_id, "round": ref.round, "round_token": ref.round_token,
-                "size": size, "sha256": sha256, "num_samples": 8, "metrics": {"loss": 1.0}}  # fmt: skip
+        body = {
+            **{"job_id": ref.job_id, "round": ref.round, "round_token": ref.round_token},
+            **{"size": size, "sha256": sha256, "num_samples": 8, "metrics": {"loss": 1.0}},
+        }
         upload = await self._json("/uploads", device, body)
         url = f"{self._api}/uploads/{upload['upload_id']}"
-        chunk = self._chunk or int(upload["chunk_bytes"])
+        chunk = chunk or int(upload["chunk_bytes"])
         for start in range(0, size, chunk):
             end = min(size, start + chunk)
             headers = {**self._auth(device), "Content-Range": f"bytes {start}-{end - 1}/{size}",
@@ -165,10 +168,9 @@ class GrpcFleet:
 
     edge = "grpc"
 
-    def __init__(self, target: str, hold_s: float, chunk_bytes: int) -> None:
+    def __init__(self, target: str, hold_s: float) -> None:
         self._target = target
         self._poll_s = hold_s + SLACK_S
-        self._chunk = chunk_bytes
         self._lines: dict[str, _Line] = {}
 
     def _open(self) -> _Line:
@@ -220,7 +222,7 @@ class GrpcFleet:
         return b"".join([bytes(piece.data) async for piece in call])
 
     async def upload(
-        self, device: DeviceCredential, offer: Offer, update: bytes, sha256: str
+        self, device: DeviceCredential, offer: Offer, update: bytes, sha256: str, chunk: int
     ) -> None:
         """ReserveUpload, then SubmitUpdate: the header and the bytes in chunks, one stream."""
         line, md = self._lines[device.device_id], credential_metadata(device)
@@ -231,7 +233,7 @@ class GrpcFleet:
         )  # fmt: skip
         room = await line.stub.ReserveUpload(reserve, metadata=md, timeout=SLACK_S)
         header = UploadHeader(ref, 8, len(update), sha256, "", {"loss": 1.0}, room.reservation)
-        chunk = self._chunk or 1024 * 1024
+        chunk = chunk or CHUNK_BYTES
         frames = [bulk.update_header(header_to_pb(header))]
         frames += [bulk.update_data(update[i : i + chunk]) for i in range(0, len(update), chunk)]
         done = await line.submit(iter(frames), metadata=md, timeout=SLACK_S)
