@@ -69,6 +69,8 @@ CPU_RATIO_LIMIT = 2.0
 #: Devices enrolling (and leaving) at once: a fleet's first contact is not the measurement.
 ENROL_CONCURRENCY = 64
 JOB_TIMEOUT_S = 600.0
+#: Full runs upload again in chunks this size: a phone on a flaky link sends small ones.
+SMALL_CHUNK_BYTES = 64 * 1024
 #: A device waits at most this long for the rest of its round before it uploads anyway.
 LINE_UP_S = 30.0
 FAILURES = (RuntimeError, aiohttp.ClientError, grpc.aio.AioRpcError, asyncio.TimeoutError)
@@ -389,12 +391,22 @@ def progress(line: str) -> None:
     print(f"edge: {line}", file=sys.stderr, flush=True)
 
 
+def ratios(poll: dict[str, Any] | None, upload: dict[str, Any]) -> dict[str, float]:
+    """HTTP over gRPC: above 1, the HTTP edge costs more (or, for MB/s, moves more)."""
+
+    def ratio(edges: dict[str, Any], key: str) -> float:
+        return float(edges["http"][key] / edges["grpc"][key])
+
+    out = {"server_cpu_per_poll": ratio(poll, "server_cpu_ms_per_poll")} if poll else {}
+    out["server_cpu_per_update"] = ratio(upload, "server_cpu_ms_per_update")
+    out["upload_mb_s"] = ratio(upload, "upload_mb_s")
+    return out
+
+
 def report(plan: Plan, quick: bool, measured: dict[str, Any], load: float) -> dict[str, Any]:
     poll, upload = measured["poll"], measured["upload"]
     overhead_p99 = poll["http"]["over_hold_ms"]["p99"]
-    cpu_ratio = (
-        upload["http"]["server_cpu_ms_per_update"] / upload["grpc"]["server_cpu_ms_per_update"]
-    )
+    cpu_ratio = ratios(None, upload)["server_cpu_per_update"]
     floors = [
         {"name": f"HTTP poll p99 over the hold at {plan.devices} devices (ms)",
          "value": overhead_p99, "limit": P99_OVERHEAD_LIMIT_MS,
@@ -402,7 +414,7 @@ def report(plan: Plan, quick: bool, measured: dict[str, Any], load: float) -> di
         {"name": "server CPU per accepted update, HTTP / gRPC", "value": cpu_ratio,
          "limit": CPU_RATIO_LIMIT, "ok": cpu_ratio <= CPU_RATIO_LIMIT},
     ]  # fmt: skip
-    return {
+    result = {
         "benchmark": "edge",
         "mode": "quick" if quick else "full",
         "machine": {
@@ -420,14 +432,12 @@ def report(plan: Plan, quick: bool, measured: dict[str, Any], load: float) -> di
         "enrol_seconds": measured["enrol_s"],
         "poll": poll,
         "upload": upload,
-        "ratios_http_over_grpc": {
-            "server_cpu_per_poll": poll["http"]["server_cpu_ms_per_poll"]
-            / poll["grpc"]["server_cpu_ms_per_poll"],
-            "server_cpu_per_update": cpu_ratio,
-            "upload_mb_s": upload["http"]["upload_mb_s"] / upload["grpc"]["upload_mb_s"],
-        },
-        "floors": floors,
+        "ratios_http_over_grpc": ratios(poll, upload),
     }
+    if small := measured.get("upload_small_chunks"):
+        result["upload_small_chunks"] = {**small, "ratios_http_over_grpc": ratios(None, small)}
+    result["floors"] = floors
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,8 +450,9 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk-bytes", type=int, default=0, help="upload chunks (0: as the edge advises, 1 MiB)"
     )
     parser.add_argument(
-        "--small-chunk-bytes", type=int, default=64 * 1024,
-        help="full runs: the upload jobs again in chunks of this size (0: not)",
+        "--small-chunk-bytes", type=int, default=None,
+        help="the upload jobs again in chunks of this size (0: not; default 65536, with "
+        "--quick 0)",
     )  # fmt: skip
     parser.add_argument("--keep", action="store_true", help="keep the state and logs")
     args = parser.parse_args(argv)
@@ -453,7 +464,11 @@ def main(argv: list[str] | None = None) -> int:
         rounds=3 if args.quick else 10,
         blocks=1 if args.quick else 2,
         chunk_bytes=args.chunk_bytes,
-        small_chunk_bytes=0 if args.quick else args.small_chunk_bytes,
+        small_chunk_bytes=(
+            args.small_chunk_bytes
+            if args.small_chunk_bytes is not None
+            else (0 if args.quick else SMALL_CHUNK_BYTES)
+        ),
     )
     load = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="flotilla-bench-edge-"))
