@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Edge benchmark: 1,000 light devices polling one server, over HTTP and over gRPC.
 
-One ``flotilla server`` runs as a subprocess (``--poll-hold`` short, ``--liveness 600``) so
+One ``flotilla server`` runs as a subprocess (``--poll-hold 2``, ``--liveness 600``) so
 its CPU time (user + system, all threads) is measured alone; the devices are asyncio tasks
 in this process (``edge_devices.py``: aiohttp for the HTTP device protocol, a grpc.aio
 channel each for the gRPC edge), doing no training. For each edge, in the same run:
@@ -11,12 +11,15 @@ channel each for the gRPC edge), doing no training. For each edge, in the same r
   answered poll, its excess over the hold (the server's overhead: queueing, auth, JSON or
   protobuf), and the server's CPU per poll, over a window after a warm-up.
 - **upload**: the other devices leave; 100 of them run jobs on the synthetic
-  100k-parameter task (every device every round): poll, download the model, upload one
-  update (HTTP: create, PUT chunks, finalize; gRPC: ReserveUpload, SubmitUpdate). Server
-  CPU per accepted update from submission to completion (the job's own work, evaluation
-  and checkpoints included, is the same on both edges), update MB/s while a round's
-  uploads run, and the count of accepted updates checked against the committed rounds.
-  With ``--blocks`` > 1 the edges' jobs alternate, so drift in a shared machine hits both.
+  100k-parameter task (every device every round): poll, download the model, wait for the
+  round's other downloads (so a round's uploads run together), upload one update (HTTP:
+  create, PUT chunks, finalize; gRPC: ReserveUpload, SubmitUpdate). Server CPU per
+  accepted update from submission to completion (the job's own work, evaluation and
+  checkpoints included, is the same on both edges), update MB/s while a round's uploads
+  run, and the accepted updates counted against the committed rounds. Chunks are 1 MiB,
+  what the HTTP edge advises (one chunk per update); full runs upload again in 64 KiB
+  chunks. Full runs do two jobs per edge, the edges alternating, so drift in a shared
+  machine hits both.
 
 Floors (reported, never an exit status): HTTP poll p99 overhead under 250 ms at 1,000
 devices; the HTTP edge's server CPU per accepted update within 2x the gRPC edge's.
