@@ -30,6 +30,7 @@ from flotilla.cli.console import setup_logging
 from flotilla.cli.data import add_data_parser
 from flotilla.cli.operator import add_devices_parser, add_job_parser
 from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError, Unreachable
+from flotilla.core.timeouts import Timeouts
 
 #: What ``flotilla --help`` says first.
 DESCRIPTION = """``flotilla <command>``: server, client, job, devices, data, demo, simulate,
@@ -184,6 +185,12 @@ def _server_parser(commands: Any) -> None:
         "--liveness", type=float, default=30.0, help="seconds before a silent device is dropped"
     )
     server.add_argument(
+        "--poll-hold", type=float, default=Timeouts().poll_hold_s, metavar="SECONDS",
+        help="how long a device's poll waits for work before it is answered empty (default "
+        "%(default)s; at most half of --liveness): shorter behind proxies that cut idle "
+        "requests",
+    )  # fmt: skip
+    server.add_argument(
         "--volunteer-run",
         "--p2p",
         dest="volunteer_run",
@@ -223,12 +230,13 @@ def _server_parser(commands: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from flotilla.core.timeouts import Timeouts
     from flotilla.server.app import FederationServer, ServerConfig
     from flotilla.server.process import single_threaded_blas
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SpecError("--tls-cert and --tls-key go together")
+    if not args.poll_hold >= 0:
+        raise SpecError(f"--poll-hold must be 0 or more seconds, got {args.poll_hold}")
     from flotilla.server.hosting.volunteers import VolunteerRunSpec
 
     single_threaded_blas()
@@ -242,7 +250,7 @@ def _serve(args: argparse.Namespace) -> int:
         db_url=args.db,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
-        timeouts=Timeouts(liveness_s=args.liveness),
+        timeouts=Timeouts(liveness_s=args.liveness, poll_hold_s=args.poll_hold),
         http_port=None if args.no_http else args.http_port,
         http_host=args.http_host,
     )
