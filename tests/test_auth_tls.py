@@ -131,6 +131,16 @@ def _agent_calls(live: LiveServer, t: Target) -> dict[str, Callable[[Any], Any]]
             metadata=md,
             timeout=10,
         ),
+        "GiveUp": lambda md: a.GiveUp(
+            pb.GiveUpRequest(
+                job_id=t.job_id,
+                round=t.task.round,
+                round_token=t.task.round_token,
+                reason="stolen",
+            ),
+            metadata=md,
+            timeout=10,
+        ),
         "ReportAverage": lambda md: a.ReportAverage(
             pb.AverageReport(
                 job_id=t.job_id,

@@ -19,6 +19,7 @@ import pytest
 from tests.support.device_http import small_update
 from tests.support.device_schemas import check, schema_names
 from tests.support.http_server import HttpServer, http_server, quick_toml, wait_until
+from tests.support.lifetime import bound
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -50,7 +51,7 @@ class Curl:
         if self.auth:
             argv += ["-H", f"Authorization: Bearer {self.auth}"]
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            *bound(argv), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
         )
         stdout, stderr = await asyncio.wait_for(proc.communicate(), 40)
         assert proc.returncode == 0, stderr.decode()

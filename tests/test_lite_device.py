@@ -17,9 +17,9 @@ from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import encode_state
 from flotilla.core.work import DeviceCredential, WorkOrder
 from flotilla.mobile.lite import (
-    ConditionsFile,
-    DeviceState,
     DigitsModel,
+    LiteConditions,
+    LiteState,
     LiteTrainer,
     ShardFile,
     ShardInfo,
@@ -60,7 +60,7 @@ def test_unplugged_mid_round_stops_between_batches(tmp_path: Path) -> None:
     work = order({"require_charging": True, "min_battery": 0.5})
     policy = job_policy(work.config_json)
     assert policy is not None and policy.require_charging
-    check = stop_check(policy, ConditionsFile(path))
+    check = stop_check(policy, LiteConditions(path))
     batches = 0
 
     def unplug_after_two() -> str | None:
@@ -76,34 +76,34 @@ def test_unplugged_mid_round_stops_between_batches(tmp_path: Path) -> None:
     assert check() == "battery 20%, below min_battery 50%"
     path.write_text('{"charging": tr')  # being rewritten: unknown, so not eligible
     assert check() == "charging unknown"
-    assert stop_check(job_policy(order(None).config_json), ConditionsFile(path))() is None
+    assert stop_check(job_policy(order(None).config_json), LiteConditions(path))() is None
 
 
 def test_conditions_file_is_read_strictly(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
-    assert ConditionsFile(None).read() == DeviceConditions()
+    assert LiteConditions(None).read() == DeviceConditions()
     path.write_text(json.dumps({"charging": True, "network": "wifi"}))
     with pytest.raises(SpecError, match=r"c\.json.*network must be one of"):
-        ConditionsFile(path).read()
+        LiteConditions(path).read()
     path.write_text(json.dumps({"charging": "yes"}))
     with pytest.raises(SpecError, match="charging must be true, false or null"):
-        ConditionsFile(path).read()
+        LiteConditions(path).read()
     with pytest.raises(SpecError, match="No such file"):
-        ConditionsFile(tmp_path / "absent.json").read()
+        LiteConditions(tmp_path / "absent.json").read()
     with pytest.raises(WireError, match="eligibility"):
         job_policy(json.dumps({"eligibility": {"min_battery": 2.0}}))
 
 
 def test_credential_is_private_and_for_one_server(tmp_path: Path) -> None:
-    state = DeviceState(tmp_path / "d", "http://127.0.0.1:7071")
+    state = LiteState(tmp_path / "d", "http://127.0.0.1:7071")
     assert state.credential() is None
     state.save_credential(DeviceCredential("dev-1", "s3cret"))
     path = tmp_path / "d" / "credential.json"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert DeviceState(tmp_path / "d", "http://127.0.0.1:7071").credential() == (
+    assert LiteState(tmp_path / "d", "http://127.0.0.1:7071").credential() == (
         DeviceCredential("dev-1", "s3cret")
     )
-    assert DeviceState(tmp_path / "d", "http://other:7071").credential() is None
+    assert LiteState(tmp_path / "d", "http://other:7071").credential() is None
     path.write_text("{not json")
     assert state.credential() is None  # unreadable: enrol again, never crash
     state.forget_credential()
@@ -117,8 +117,8 @@ def test_job_state_in_the_state_dir_carries_momentum_across_restarts(tmp_path: P
     model = initial_model()
     in_memory = LiteTrainer(shard())
     expected = [in_memory.train(work, model) for _ in range(2)]
-    first = LiteTrainer(shard(), DeviceState(tmp_path, "http://h:1")).train(work, model)
-    second = LiteTrainer(shard(), DeviceState(tmp_path, "http://h:1")).train(work, model)
+    first = LiteTrainer(shard(), LiteState(tmp_path, "http://h:1")).train(work, model)
+    second = LiteTrainer(shard(), LiteState(tmp_path, "http://h:1")).train(work, model)
     assert not isinstance(first, Stopped) and not isinstance(second, Stopped)
     assert [first.payload, second.payload] == [getattr(e, "payload", None) for e in expected]
     assert first.payload != second.payload, "the second round is smoothed by the first's"

@@ -41,7 +41,7 @@ def test_lite_clients_and_agents_train_one_job_to_the_target(
 ) -> None:
     probe = "import importlib.util as u; print(u.find_spec('torch'), u.find_spec('grpc'))"
     gone = subprocess.run(
-        [str(base_venv.python), "-c", probe],
+        bound([str(base_venv.python), "-c", probe]),
         env=base_venv.env(), capture_output=True, text=True, check=True, timeout=60,
     )  # fmt: skip
     assert gone.stdout.split() == ["None", "None"], "the lite venv must have neither torch nor grpc"

@@ -25,7 +25,7 @@ The HTTP device protocol itself is docs/protocol.md.
 """
 
 from flotilla.mobile.lite.codecs import LiteCodec, supported_codecs
-from flotilla.mobile.lite.conditions import ConditionsFile, job_policy, stop_check
+from flotilla.mobile.lite.conditions import LiteConditions, job_policy, stop_check
 from flotilla.mobile.lite.data import ShardFile, ShardInfo, read_shard, write_shard
 from flotilla.mobile.lite.mlp import TASKS, DigitsModel, Stopped
 from flotilla.mobile.lite.rounds import (
@@ -36,15 +36,15 @@ from flotilla.mobile.lite.rounds import (
     MemoryJobStates,
     MlpTraining,
 )
-from flotilla.mobile.lite.state import DeviceState
+from flotilla.mobile.lite.state import LiteState
 
 __all__ = [
     "TASKS",
-    "ConditionsFile",
-    "DeviceState",
     "DigitsModel",
     "JobStates",
     "LiteCodec",
+    "LiteConditions",
+    "LiteState",
     "LiteTrainer",
     "LiteUpdate",
     "LocalTraining",

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError, Unreachable
-from flotilla.mobile.lite.conditions import ConditionsFile
+from flotilla.mobile.lite.conditions import LiteConditions
 from flotilla.mobile.lite.data import ShardFile, read_shard
 from flotilla.mobile.lite.device import LiteDevice
 from flotilla.mobile.lite.http import HttpDevice
 from flotilla.mobile.lite.mlp import Examples
 from flotilla.mobile.lite.rounds import LiteTrainer, LocalTraining
-from flotilla.mobile.lite.state import DeviceState
+from flotilla.mobile.lite.state import LiteState
 
 EXIT_CODES: dict[type[FlotillaError], int] = {
     SpecError: 2, AuthError: 3, NotFoundError: 4, Unreachable: 5,
@@ -50,7 +50,7 @@ class LiteOptions:
     data: ShardFile
     #: None: a temporary directory for this run (nothing survives a restart).
     state_dir: Path | None
-    conditions: ConditionsFile
+    conditions: LiteConditions
     tls_ca: Path | None
     device_class: str = ""
     #: Stop after this many offered rounds (None: until stopped).
@@ -109,7 +109,7 @@ def check_options(args: argparse.Namespace) -> LiteOptions:
             raise SpecError(f"--tls-ca: no such file {args.tls_ca}")
     data = read_shard(args.data)
     LiteTrainer(data)  # the digits task's checks: 64 pixels in [0, 1], labels 0..9
-    conditions = ConditionsFile(args.conditions)
+    conditions = LiteConditions(args.conditions)
     conditions.read()  # a malformed file fails now; later reads treat it as unknown
     if args.state_dir is not None and args.state_dir.exists() and not args.state_dir.is_dir():
         raise SpecError(f"--state-dir: {args.state_dir} is not a directory")
@@ -159,8 +159,8 @@ def run(options: LiteOptions) -> int:
         http = HttpDevice(options.server, tls_ca=options.tls_ca)
         device = LiteDevice(
             http,
-            DeviceState(state_dir, options.server),
-            LiteTrainer(options.data, DeviceState(state_dir, options.server), options.training),
+            LiteState(state_dir, options.server),
+            LiteTrainer(options.data, LiteState(state_dir, options.server), options.training),
             options.conditions,
             options.device_class,
         )

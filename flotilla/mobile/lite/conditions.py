@@ -25,7 +25,7 @@ MAX_FILE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
-class ConditionsFile:
+class LiteConditions:
     """Where this device's conditions come from; ``path`` None: it cannot tell (unknown)."""
 
     path: Path | None = None
@@ -71,7 +71,7 @@ def job_policy(config_json: str) -> EligibilitySection | None:
         raise WireError(f"task config: {exc}") from exc
 
 
-def stop_check(policy: EligibilitySection | None, conditions: ConditionsFile) -> StopCheck:
+def stop_check(policy: EligibilitySection | None, conditions: LiteConditions) -> StopCheck:
     """A ``should_stop`` for training: re-reads the conditions at every call and names the
     first one the policy no longer accepts (profile checks are the server's, at selection)."""
 

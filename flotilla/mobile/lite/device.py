@@ -18,11 +18,11 @@ from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, StaleRoundError, Unreachable, UpdateRejected, WireError
 from flotilla.core.measure import matmul_gflops, memory_bytes
 from flotilla.core.work import RoundRef
-from flotilla.mobile.lite.conditions import ConditionsFile, job_policy, stop_check
+from flotilla.mobile.lite.conditions import LiteConditions, job_policy, stop_check
 from flotilla.mobile.lite.http import HttpDevice, OfferedTask
 from flotilla.mobile.lite.mlp import StopCheck, Stopped
 from flotilla.mobile.lite.rounds import LiteTrainer
-from flotilla.mobile.lite.state import DeviceState
+from flotilla.mobile.lite.state import LiteState
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ AWAY_PAUSE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
-class RoundOutcome:
+class ServedRound:
     """What became of one offered round, for logs and tests."""
 
     job_id: str
@@ -47,9 +47,9 @@ class LiteDevice:
     def __init__(
         self,
         http: HttpDevice,
-        state: DeviceState,
+        state: LiteState,
         trainer: LiteTrainer,
-        conditions: ConditionsFile,
+        conditions: LiteConditions,
         device_class: str = "",
     ) -> None:
         self.http = http
@@ -105,13 +105,13 @@ class LiteDevice:
                 log.info("job %s round %d: %s %s", outcome.job_id, outcome.round,
                          outcome.outcome, outcome.detail)  # fmt: skip
 
-    def serve(self, task: OfferedTask) -> RoundOutcome:
+    def serve(self, task: OfferedTask) -> ServedRound:
         """One offered round, start to end."""
         order = task.order
         ref = order.ref
 
-        def outcome(kind: str, detail: str = "") -> RoundOutcome:
-            return RoundOutcome(order.job_id, order.round, kind, detail)
+        def outcome(kind: str, detail: str = "") -> ServedRound:
+            return ServedRound(order.job_id, order.round, kind, detail)
 
         problem = self.trainer.unsupported(order)
         if problem is None and task.transport != "server":
@@ -170,8 +170,8 @@ class LiteDevice:
         return check
 
     def _give_up(
-        self, task: OfferedTask, reason: str, outcome: Callable[[str, str], RoundOutcome]
-    ) -> RoundOutcome:
+        self, task: OfferedTask, reason: str, outcome: Callable[[str, str], ServedRound]
+    ) -> ServedRound:
         self._quietly_report(task.order.ref, reason)
         return outcome("gave_up", reason)
 

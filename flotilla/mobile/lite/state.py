@@ -31,7 +31,7 @@ _STATE_FORMAT = "flotilla.lite-state/1"
 _MAX_STATE_BYTES = 1 << 34
 
 
-class DeviceState:
+class LiteState:
     """The state dir of one device, for one server (a credential means nothing elsewhere)."""
 
     def __init__(self, directory: Path, server: str) -> None:
