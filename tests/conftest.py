@@ -94,3 +94,26 @@ def base_venv(tmp_path_factory: pytest.TempPathFactory) -> BaseVenv:
     from tests.support.base_venv import make_base_venv
 
     return make_base_venv(tmp_path_factory.mktemp("base-venv") / "venv")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> Iterator[None]:
+    """``--dist loadgroup`` sends each ``xdist_group`` to one worker by a ``@group`` suffix
+    on the test id. pytest-xdist 3.8 writes that suffix to ``item._nodeid``, which pytest 9
+    no longer reads (ids live in ``item._id``), so every group was spread over all workers:
+    module-scoped runs ran once per worker and hivemind swarms overlapped. This sets the
+    suffix where pytest 9 keeps it, after every other hook ran (and only where missing)."""
+    yield
+    if not config.getoption("loadgroup", False):  # set on xdist's workers under loadgroup
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        names = {
+            str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+            for mark in item.iter_markers("xdist_group")
+        }
+        if names and "@" not in item.nodeid.rsplit("]", 1)[-1]:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(sorted(names))}")
