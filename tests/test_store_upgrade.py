@@ -28,6 +28,7 @@ from tests.support.previous_schema import DDL
 pytestmark = pytest.mark.timeout(120)
 
 TABLES = (
+    "refusals",
     "participations",
     "rounds",
     "jobs",

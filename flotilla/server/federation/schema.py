@@ -52,6 +52,9 @@ class DeviceRow(Base):
     enrolled_at: Mapped[float] = mapped_column(Double)
     last_seen_at: Mapped[float] = mapped_column(Double)
     device_class: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    #: Hex Ed25519 public key registered at enrolment; "" for devices enrolled before keys.
+    public_key: Mapped[str] = mapped_column(String(128), default="", server_default="")
+    revoked_at: Mapped[float | None] = mapped_column(Double, nullable=True)
 
 
 class EnrolTokenRow(Base):
@@ -61,6 +64,10 @@ class EnrolTokenRow(Base):
 
     token_hash: Mapped[str] = mapped_column(String(256), primary_key=True)
     created_at: Mapped[float] = mapped_column(Double)
+    #: Enrolments it still admits; NULL: unlimited.
+    uses_left: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    expires_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    revoked_at: Mapped[float | None] = mapped_column(Double, nullable=True)
 
 
 class OperatorTokenRow(Base):
@@ -139,3 +146,21 @@ class ParticipationRow(Base):
     started_at: Mapped[float] = mapped_column(Double)
     finished_at: Mapped[float] = mapped_column(Double)
     metrics_json: Mapped[dict[str, float]] = mapped_column(JSON)
+
+
+class RefusalRow(Base):
+    """An update the server refused, and why (``core.events.UpdateRefused`` reasons)."""
+
+    __tablename__ = "refusals"
+    __table_args__ = (
+        Index("ix_refusals_device_id", "device_id"),
+        Index("ix_refusals_job_id", "job_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[float] = mapped_column(Double)
+    device_id: Mapped[str] = mapped_column(String(ID_LEN))
+    job_id: Mapped[str] = mapped_column(String(ID_LEN))
+    round: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(String(64))
+    detail: Mapped[str] = mapped_column(Text, default="", server_default="")
