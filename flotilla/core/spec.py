@@ -174,6 +174,47 @@ class CompressionSection:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PrivacySection:
+    """What the server may see of each device's update (docs/secure-aggregation.md).
+
+    With ``secure_aggregation`` the round runs SecAgg+ (Bell et al., CCS 2020): each device
+    clips and quantizes its update, masks it with its ``neighbours`` on a shuffled ring, and
+    the server learns only the weighted sum of the round's updates."""
+
+    secure_aggregation: bool = False
+    #: k, how many neighbours each device masks with; 0: chosen from the round's size
+    #: (about 2 log2 n, even, at most n - 1).
+    neighbours: int = 0
+    #: t, how many of a device's neighbours must survive to unmask; 0: chosen from k.
+    threshold: int = 0
+    #: Each element of an update is clipped to [-clip, clip] before it is quantized.
+    clip: float = 1.0
+    #: Quantized values are integers in [0, 2**quantization_bits - 1] (stochastic rounding).
+    quantization_bits: int = 16
+    #: Masked arithmetic is modulo 2**modulus_bits; it must hold the sum without overflow.
+    modulus_bits: int = 62
+    #: How long the server waits for each stage's messages before it closes the stage.
+    stage_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.neighbours < 0 or self.threshold < 0:
+            raise SpecError("privacy.neighbours and privacy.threshold must be >= 0 (0: automatic)")
+        if not (math.isfinite(self.clip) and self.clip > 0):
+            raise SpecError(f"privacy.clip must be a finite number > 0, got {self.clip!r}")
+        if not 1 <= self.quantization_bits <= 32:
+            raise SpecError(
+                f"privacy.quantization_bits must be in [1, 32], got {self.quantization_bits!r}"
+            )
+        if not self.quantization_bits < self.modulus_bits <= 64:
+            raise SpecError(
+                f"privacy.modulus_bits must be in (quantization_bits, 64], got "
+                f"{self.modulus_bits!r}"
+            )
+        if not (math.isfinite(self.stage_timeout_s) and self.stage_timeout_s > 0):
+            raise SpecError(f"privacy.stage_timeout_s must be > 0, got {self.stage_timeout_s!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class JobSpec:
     """A whole federated job, as submitted."""
 
@@ -185,6 +226,8 @@ class JobSpec:
     scheduling: SchedulingSection = dataclasses.field(default_factory=SchedulingSection)
     #: Which devices may be selected (charging, unmetered, idle, battery, class, speed).
     eligibility: EligibilitySection = dataclasses.field(default_factory=EligibilitySection)
+    #: Secure aggregation (SecAgg+) and its parameters.
+    privacy: PrivacySection = dataclasses.field(default_factory=PrivacySection)
 
     def __post_init__(self) -> None:
         _check_job(self)
