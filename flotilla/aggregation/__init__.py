@@ -6,7 +6,8 @@ Every strategy follows :class:`Aggregator`: ``begin(round, global_state)``,
 :func:`make_aggregator`; :func:`strategy_info` says what the engine must do for it.
 
 - ``base``: the protocol, :class:`Traits`, shared bookkeeping, and the capability
-  protocols :class:`PrivacyBudgeted`, :class:`StalenessWeighted` and :class:`Buffering`.
+  protocols :class:`PrivacyBudgeted`, :class:`StalenessWeighted`, :class:`Buffering` and
+  :class:`SecurelySummed`.
 - ``fedavg``: :class:`FedAvg` (also FedProx's server side).
 - ``fedopt``: server optimizers :class:`FedAvgM` and :class:`FedOpt` (Adam, Yogi, Adagrad).
 - ``robust``: median, trimmed mean, Krum, multi-Krum, centered clipping, all over an
@@ -22,6 +23,7 @@ from flotilla.aggregation.base import (
     Aggregator,
     Buffering,
     PrivacyBudgeted,
+    SecurelySummed,
     StalenessWeighted,
     Traits,
 )
@@ -80,6 +82,7 @@ __all__ = [
     "PrivacyAccountant",
     "PrivacyBudgeted",
     "RobustAggregator",
+    "SecurelySummed",
     "SpoolLimits",
     "StalenessWeighted",
     "StrategyInfo",

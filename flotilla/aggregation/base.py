@@ -115,6 +115,17 @@ class StalenessWeighted(Protocol):
 
 
 @runtime_checkable
+class SecurelySummed(Protocol):
+    """A strategy that needs to know how many updates a securely aggregated sum holds
+    (DP-FedAvg: its noise and mean are per update), not only their total weight."""
+
+    def add_sum(self, total: Mapping[str, np.ndarray], count: int) -> None:
+        """Fold the sum of ``count`` updates, each already clipped on its device (secure
+        aggregation shows the server the sum and nothing else)."""
+        ...
+
+
+@runtime_checkable
 class Buffering(Protocol):
     """A strategy that finalizes whenever its buffer is full, not at a round's end."""
 

@@ -255,6 +255,19 @@ class DPFedAvg(StreamingBase):
         self._sum.fold(update, coef, 1.0)
         self._within += norm <= self.clip_norm
 
+    def add_sum(self, total: Mapping[str, np.ndarray], count: int) -> None:
+        """Fold the sum of ``count`` updates each clipped to ``clip_norm`` on its device
+        (secure aggregation): the noise is then calibrated to ``count`` updates, as if they
+        had arrived one by one. Adaptive clipping cannot run on it (it needs to know which
+        updates were clipped), so such jobs are refused at submission."""
+        self._round.open()
+        if count < 1:
+            raise UpdateRejected(f"a secure sum must hold at least one update, not {count}")
+        check_update(self._layout, total, finite=True)
+        self._sum.fold(total, 1.0, float(count))
+        self._sum.count += count - 1
+        self._within += count
+
     def finalize(self) -> ModelState:
         current = self._round.open()
         if self._planned is None:

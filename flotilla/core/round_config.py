@@ -7,15 +7,66 @@ task; devices and simulated devices read it back with :meth:`RoundConfig.from_js
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from flotilla.core.allreduce import GroupPlan
 from flotilla.core.eligibility import EligibilitySection
 from flotilla.core.errors import SpecError, WireError
-from flotilla.core.spec import CompressionSection, DataSection, TrainSection
+from flotilla.core.spec import CompressionSection, DataSection, PrivacySection, TrainSection
 from flotilla.core.tables import build_dataclass
 from flotilla.core.tensors import TensorSpec
+
+
+#: How a secure round weights each device's update: by its sample count (FedAvg and
+#: friends) or all alike (DP-FedAvg, which is unweighted).
+WEIGHTINGS = ("samples", "one")
+#: The most participants a secure round names (the task config stays small).
+MAX_PARTICIPANTS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class SecurePlan:
+    """A secure round (SecAgg+) as its devices are told: the job's ``[privacy]`` section,
+    who is in the round (server order, which seeds the ring every party computes), how
+    to weight the update, and the L2 norm to clip it to first (DP-FedAvg's clip; 0: none)."""
+
+    privacy: PrivacySection
+    participants: tuple[str, ...]
+    weighting: str = "samples"
+    l2_clip: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.weighting not in WEIGHTINGS:
+            raise SpecError(f"secagg.weighting must be one of {', '.join(WEIGHTINGS)}")
+        if not 0 < len(self.participants) <= MAX_PARTICIPANTS:
+            raise SpecError(f"secagg.participants must name 1 to {MAX_PARTICIPANTS} devices")
+        if len(set(self.participants)) != len(self.participants):
+            raise SpecError("secagg.participants names a device twice")
+        if not (self.l2_clip >= 0 and self.l2_clip < float("inf")):
+            raise SpecError(f"secagg.l2_clip must be finite and >= 0, got {self.l2_clip!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "privacy": dataclasses.asdict(self.privacy),
+            "participants": list(self.participants),
+            "weighting": self.weighting,
+            "l2_clip": self.l2_clip,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> SecurePlan:
+        """WireError (naming the field) on anything malformed."""
+        where = "task config"
+        try:
+            privacy = build_dataclass(PrivacySection, raw["privacy"], where, "secagg.privacy.")
+            participants = tuple(str(d) for d in raw["participants"])
+            return cls(privacy, participants, str(raw["weighting"]), float(raw["l2_clip"]))
+        except (KeyError, TypeError, ValueError, SpecError) as exc:
+            raise WireError(f"{where}: secagg is malformed: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +82,8 @@ class RoundConfig:
     p2p: GroupPlan | None = None
     #: The job's ``[eligibility]``: a device stops a round when it no longer qualifies.
     eligibility: EligibilitySection = field(default_factory=EligibilitySection)
+    #: Secure rounds: the device masks its update with SecAgg+ instead of uploading it.
+    secagg: SecurePlan | None = None
 
     @classmethod
     def from_json(cls, text: str) -> RoundConfig:
@@ -47,6 +100,9 @@ class RoundConfig:
         except (ValueError, TypeError, AttributeError) as exc:
             raise WireError(f"{where} is malformed: {exc}") from exc
         p2p = raw.get("p2p")
+        secagg = raw.get("secagg")
+        if secagg is not None and not isinstance(secagg, dict):
+            raise WireError(f"{where}: secagg must be a table")
         try:
             eligibility = EligibilitySection.from_dict(raw.get("eligibility", {}))
         except SpecError as exc:
@@ -58,4 +114,5 @@ class RoundConfig:
             specs,
             None if p2p is None else GroupPlan.from_dict(p2p),
             eligibility,
+            None if secagg is None else SecurePlan.from_dict(secagg),
         )

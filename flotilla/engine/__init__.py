@@ -8,8 +8,11 @@
   :class:`EngineConfig`.
 - ``tally``: a round's :class:`RoundTally` and reading a result stream.
 - ``context``: the public :class:`RoundContext` and the :class:`RoundMode` protocol.
-- ``sync_round``, ``buffered``, ``p2p_round``: the three modes (synchronous, FedBuff's
-  asynchronous buffered rounds, server-less rounds where devices average).
+- ``sync_round``, ``buffered``, ``p2p_round``, ``secure_round``: the four modes
+  (synchronous, FedBuff's asynchronous buffered rounds, server-less rounds where devices
+  average, SecAgg+ rounds where the server sees only the sum).
+- ``stages``: :class:`StageExchange`, one secure round's stages between its devices and
+  its ``SecAggServer``; :class:`DeviceKeys`, where devices' identity keys are read.
 - ``rounds``: :class:`JobRunner`, the context that drives one job in its mode.
 - ``build``: :func:`build_runner` and :func:`submitted_job`, shared by server and simulation.
 """
@@ -21,6 +24,7 @@ from flotilla.engine.backend import (
     Reported,
     ResultStream,
     RoundResult,
+    SecureExchange,
     TrainTask,
 )
 from flotilla.engine.build import build_runner, job_selector, selection_rng, submitted_job
@@ -28,12 +32,15 @@ from flotilla.engine.context import Dispatched, RoundContext, RoundMode
 from flotilla.engine.plan import JobPlan, validate_spec
 from flotilla.engine.ports import Blobs, Evaluator, Ledger, TaskRuntime
 from flotilla.engine.rounds import JobRunner, round_mode
+from flotilla.engine.secure_round import SecureRounds
 from flotilla.engine.services import EngineConfig, EngineServices, P2PPeers
+from flotilla.engine.stages import DeviceKeys, StageExchange
 
 __all__ = [
     "Backend",
     "Blobs",
     "Delivered",
+    "DeviceKeys",
     "Dispatched",
     "EngineConfig",
     "EngineServices",
@@ -48,6 +55,9 @@ __all__ = [
     "RoundContext",
     "RoundMode",
     "RoundResult",
+    "SecureExchange",
+    "SecureRounds",
+    "StageExchange",
     "TaskRuntime",
     "TrainTask",
     "build_runner",

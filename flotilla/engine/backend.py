@@ -15,6 +15,15 @@ from flotilla.core.update import Update
 from flotilla.core.work import WorkOrder
 
 
+class SecureExchange(Protocol):
+    """A secure round's stage messages (``engine.stages.StageExchange``): the backend
+    hands each device's message in and the device's next one back."""
+
+    async def exchange(self, device_id: str, stage: int, body: bytes) -> bytes:
+        """Waits (bounded) until the stage closes; errors of ``flotilla.core.errors``."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class TrainTask:
     """One round's work for every device selected for it: the order a device receives, and
@@ -34,6 +43,8 @@ class TrainTask:
     #: Device -> its uplink codec, chosen by measured uplink (``uplink_by_mbps``); a
     #: device not named here uses ``codec``.
     device_codecs: Mapping[str, Codec] = field(default_factory=dict)
+    #: Secure rounds: where the devices' stage messages go instead of uploads.
+    secagg: SecureExchange | None = None
 
     def codec_for(self, device_id: str) -> Codec:
         """The codec ``device_id``'s update must arrive in."""

@@ -49,6 +49,7 @@ class JobPlan:
         if comp.downlink_delta and downlink.name == "none":
             raise SpecError("compression.downlink_delta needs a lossy compression.downlink codec")
         _check_transport(spec)
+        _check_secure(spec, params)
         uplinks = {uplink.name: uplink}
         for i, (_, name) in enumerate(comp.uplink_by_mbps):
             if name not in uplinks:
@@ -137,6 +138,54 @@ def _check_transport(spec: JobSpec) -> None:
         )
     if agg.matchmaking_s >= spec.job.round_deadline_s:
         raise SpecError("aggregation.matchmaking_s must be shorter than job.round_deadline_s")
+
+
+#: Strategies whose server side folds a weighted sum, so a securely aggregated sum (its
+#: mean, weighted by the total weight) gives them what individual updates would.
+SECURE_STRATEGIES = (
+    "fedavg",
+    "fedprox",
+    "fedavgm",
+    "fedadam",
+    "fedyogi",
+    "fedadagrad",
+    "dp_fedavg",
+)
+
+
+def _check_secure(spec: JobSpec, params: Any) -> None:
+    """Refuse what secure aggregation cannot combine with: rules that need individual
+    updates, buffered rounds, server-less rounds, and lossy uplink codecs (SecAgg+
+    quantizes the update itself)."""
+    if not spec.privacy.secure_aggregation:
+        return
+    agg, comp = spec.aggregation, spec.compression
+    if agg.strategy not in SECURE_STRATEGIES:
+        why = (
+            "is asynchronous (buffered rounds)"
+            if agg.strategy == "fedbuff"
+            else "needs the individual updates"
+        )
+        raise SpecError(
+            f"privacy.secure_aggregation shows the server only the sum of a round's updates: "
+            f"aggregation.strategy {agg.strategy!r} {why}; use one of "
+            f"{', '.join(SECURE_STRATEGIES)}"
+        )
+    if agg.transport != "server":
+        raise SpecError(
+            "privacy.secure_aggregation runs through the server: aggregation.transport must be "
+            f'"server", not {agg.transport!r}'
+        )
+    if comp.uplink != "none" or comp.uplink_by_mbps or comp.error_feedback:
+        raise SpecError(
+            "privacy.secure_aggregation quantizes the update itself: compression.uplink must "
+            'be "none", without uplink_by_mbps or error_feedback'
+        )
+    if getattr(params, "adaptive_clip", False):
+        raise SpecError(
+            "privacy.secure_aggregation hides which updates were clipped: "
+            "aggregation.params.adaptive_clip must be false"
+        )
 
 
 def _codec(field: str, name: str, params: Mapping[str, Any]) -> Codec:

@@ -45,7 +45,9 @@ from flotilla.engine.context import Dispatched, RoundMode
 from flotilla.engine.p2p_round import P2PRounds
 from flotilla.engine.plan import JobPlan
 from flotilla.engine.ports import Evaluator
+from flotilla.engine.secure_round import SecureRounds
 from flotilla.engine.services import EngineConfig, EngineServices, P2PPeers
+from flotilla.engine.stages import DeviceKeys
 from flotilla.engine.sync_round import SyncRounds
 from flotilla.engine.tally import RoundTally
 from flotilla.scheduling import DeviceRequest, Grant, Lease, Selector
@@ -53,8 +55,11 @@ from flotilla.scheduling import DeviceRequest, Grant, Lease, Selector
 log = logging.getLogger(__name__)
 
 
-def round_mode(plan: JobPlan) -> RoundMode:
-    """The mode a job's rounds run in, from its strategy and transport."""
+def round_mode(plan: JobPlan, keys: DeviceKeys | None = None) -> RoundMode:
+    """The mode a job's rounds run in, from its strategy, transport and privacy
+    (``keys``: where secure rounds read devices' identity keys)."""
+    if plan.spec.privacy.secure_aggregation:
+        return SecureRounds(keys)
     if plan.traits.asynchronous:
         return BufferedRounds()
     if plan.spec.aggregation.transport == "p2p":
@@ -83,7 +88,7 @@ class JobRunner:
         self._evaluator = evaluator
         self._spool_dir = spool_dir
         self._plan = JobPlan.from_spec(spec)
-        self._mode = round_mode(self._plan)
+        self._mode = round_mode(self._plan, services.keys)
         comp = spec.compression
         self._broadcaster = Broadcaster(services.blobs, self._plan.downlink, comp.downlink_delta)
         self._aggregator: Aggregator | None = None

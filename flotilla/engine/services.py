@@ -9,6 +9,7 @@ from typing import Protocol
 from flotilla.core.events import EventSink, NoEvents
 from flotilla.engine.backend import Backend
 from flotilla.engine.ports import Blobs, Ledger
+from flotilla.engine.stages import DeviceKeys
 from flotilla.scheduling import Arbiter, Leases
 
 
@@ -58,3 +59,5 @@ class EngineServices:
     #: Told of rounds committed and retried, failed devices and job state changes (a
     #: server passes its metrics and live feed; a simulation nobody watches passes none).
     events: EventSink = field(default_factory=NoEvents)
+    #: Devices' identity keys, for secure rounds; None where there are none (simulation).
+    keys: DeviceKeys | None = None

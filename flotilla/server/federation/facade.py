@@ -29,11 +29,13 @@ from flotilla.core.work import DeviceCredential, ReportVerdict, Reservation, Rou
 from flotilla.engine import EngineConfig, EngineServices, TaskRuntime
 from flotilla.engine.backend import Reported, TrainTask
 from flotilla.scheduling import Arbiter, DevicePool, Leases
+from flotilla.secagg import Stage
 from flotilla.server.federation import auth
 from flotilla.server.federation.budget import ByteBudget
 from flotilla.server.federation.devices import Devices
 from flotilla.server.federation.failures import FailureCounts
 from flotilla.server.federation.gateway import Gateway
+from flotilla.server.federation.identity_keys import IdentityKeys
 from flotilla.server.federation.jobs import Jobs
 from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.store import Store
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: The longest reason a device may give for giving up a round (it is logged and recorded).
 MAX_REASON = 500
+#: The stages of a secure round (``flotilla.secagg.Stage``: ADVERTISE .. UNMASK).
+MIN_STAGE, MAX_STAGE = int(Stage.ADVERTISE), int(Stage.UNMASK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,7 @@ class Federation:
         self._uploads = Uploads(
             self._gateway, self._pool, upload_budget, config.timeouts, clock, self._events
         )
+        self._identity_keys = IdentityKeys()
         services = EngineServices(
             backend=self._gateway,
             leases=self._leases,
@@ -97,6 +102,7 @@ class Federation:
             config=engine,
             p2p=hosted.rendezvous,
             events=self._events,
+            keys=self._identity_keys,
         )
         self._jobs = Jobs(services, store, tasks, config.state_dir)
         self._download_slots = asyncio.Semaphore(config.download_slots)
@@ -238,6 +244,20 @@ class Federation:
     ) -> ReportVerdict:
         hold_s = self._config.timeouts.report_hold_s
         return await self._uploads.report(device.id, ref, report, hold_s)
+
+    async def secagg(
+        self, device: DeviceRecord, ref: RoundRef, stage: int, body: bytes, identity_key: bytes = b""
+    ) -> bytes:
+        """One device's message for a stage of a secure round; its message for the next
+        stage once this one closes (bounded: the stage's timeout plus slack). A device not
+        in the round, a closed round: StaleRoundError; a bad stage, an oversized or
+        malformed body: WireError. ``identity_key``: the device's raw Ed25519 public key,
+        registered on first use (``identity_keys``)."""
+        if not MIN_STAGE <= stage <= MAX_STAGE:
+            raise WireError(f"a secure-round stage is {MIN_STAGE} to {MAX_STAGE}, not {stage}")
+        if identity_key:
+            self._identity_keys.register(device.id, identity_key)
+        return await self._gateway.secagg(device.id, ref, stage, body)
 
     def report_failure(self, device: DeviceRecord, ref: RoundRef, reason: str) -> None:
         """The device gives up its round with a reason (unplugged, on a metered network,

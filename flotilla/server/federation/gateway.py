@@ -21,6 +21,7 @@ from flotilla.core.update import Update
 from flotilla.core.work import RoundRef
 from flotilla.engine.backend import Delivered, Failed, Reported, RoundResult, TrainTask
 from flotilla.scheduling import DeviceEvents, DevicePool
+from flotilla.secagg import Stage
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +195,19 @@ class Gateway:
                 f"stale round: round {round_no} of job {job_id} is not open for this device"
             )
         return open_round
+
+    async def secagg(self, device_id: str, ref: RoundRef, stage: int, body: bytes) -> bytes:
+        """Hand a device's message for a stage of the secure round ``ref`` names to the
+        round's exchange; its message for the next stage once this one closes. After the
+        last stage the device owes the round nothing more."""
+        open_round = self.expect(device_id, ref.job_id, ref.round, ref.round_token)
+        exchange = open_round.task.secagg
+        if exchange is None:
+            raise WireError("this round is not a secure round: upload the update instead")
+        reply = await exchange.exchange(device_id, stage, body)
+        if stage == Stage.UNMASK:
+            open_round.pending.discard(device_id)
+        return reply
 
     def report(self, open_round: OpenRound, report: Reported) -> bool:
         """Take a device's report of a server-less round (the engine sees the first one);
