@@ -36,6 +36,7 @@ from flotilla.client.transport import (
     ReportAverage,
     Request,
     ReserveUpload,
+    SecAggMessage,
     SpeedTest,
     SubmitUpdate,
     closed_set,
@@ -139,6 +140,9 @@ class InProcessTransport:
                     reverted=r.report.reverted,
                 )
                 return await fed.report_average(device, r.ref, report)
+            case SecAggMessage():
+                device = await self._device(r.credential)
+                return await fed.secagg(device, r.ref, r.stage, r.body, r.identity_key)
             case Leave():
                 fed.leave(await self._device(r.credential), r.reason)
                 return None

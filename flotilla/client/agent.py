@@ -19,9 +19,12 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from flotilla.client.backoff import Backoff
 from flotilla.client.config import AgentConfig, rebuild_model
 from flotilla.client.credentials import CredentialFile
+from flotilla.client.secure import SecureRound
 from flotilla.client.training import TrainOutcome, TrainWork
 from flotilla.client.transport import (
     AgentTransport,
@@ -51,8 +54,9 @@ from flotilla.core.errors import (
     UpdateRejected,
 )
 from flotilla.core.measure import matmul_gflops, memory_bytes
-from flotilla.core.round_config import RoundConfig
+from flotilla.core.round_config import RoundConfig, SecurePlan
 from flotilla.core.work import UploadHeader, WorkOrder
+from flotilla.secagg import SecAggRefused
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +91,9 @@ class Agent:
         self._p2p = config.p2p
         self._peer_id = ""
         self._identity_dir: tempfile.TemporaryDirectory[str] | None = None
+        #: Signs this device's secure-round messages. Until enrolment registers a key per
+        #: device (device identity), one made for this run of the agent unless given.
+        self._identity = config.identity or Ed25519PrivateKey.generate()
         self.rounds_done = 0
 
     @property
@@ -236,6 +243,10 @@ class Agent:
                     "round %d of %s closed while training; not uploading", task.round, task.job_id
                 )
                 return
+            if config.secagg is not None and outcome.delta is not None:
+                del model
+                await self._secure(task, config.secagg, outcome)
+                return
             if outcome.delta is not None:
                 await self._average(task, model, outcome, round_open)
                 return
@@ -246,6 +257,26 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError, FlotillaError):
                 await beat
         self.rounds_done += 1
+
+    async def _secure(self, task: WorkOrder, plan: SecurePlan, outcome: TrainOutcome) -> None:
+        """A secure round: mask the update and answer every stage; a device that stops
+        (SecAggRefused) gives the round up with the reason."""
+        assert outcome.delta is not None and self.device_id
+        secure = SecureRound.start(
+            task, plan, self.device_id, self._identity, outcome.delta, outcome.num_samples,
+            self.config.secagg_device,
+        )  # fmt: skip
+        try:
+            await secure.run(self._transport, self._me)
+        except SecAggRefused as exc:
+            log.warning("round %d of %s: secure round stopped: %s", task.round, task.job_id, exc)
+            give_up = GiveUp(
+                self._me, task.ref, f"secagg: {exc.reason}", self.config.timeouts.heartbeat_s
+            )
+            with contextlib.suppress(FlotillaError):
+                await self._transport.send(give_up)
+            return
+        log.info("round %d of %s: secure round done", task.round, task.job_id)
 
     def _make_averaging(self, job_id: str) -> GroupAveraging:
         if self.config.averaging is not None:

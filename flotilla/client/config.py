@@ -9,7 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from flotilla.client.conditions import ConditionsSource
+from flotilla.client.secure import DeviceFactory
 from flotilla.client.training import LocalTrainer
 from flotilla.core.allreduce import GroupAveraging, PeerOptions
 from flotilla.core.blobs import sha256_hex
@@ -17,6 +20,7 @@ from flotilla.core.errors import FlotillaError
 from flotilla.core.round_config import RoundConfig
 from flotilla.core.timeouts import Timeouts
 from flotilla.core.work import WorkOrder
+from flotilla.secagg import SecAggDevice
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,11 @@ class AgentConfig:
     #: What kind of device this is (``phone``, ``sbc``, ``laptop``...), for jobs'
     #: ``[eligibility] device_classes``.
     device_class: str = ""
+    #: This device's Ed25519 identity key (signs its secure-round messages); None: one
+    #: made per run of the agent, until enrolment registers a key (device identity).
+    identity: Ed25519PrivateKey | None = None
+    #: Builds the device's SecAgg+ party; a seam for tests (``client.secure``).
+    secagg_device: DeviceFactory = SecAggDevice
 
 
 def rebuild_model(base: memoryview, delta: memoryview, task: WorkOrder) -> memoryview:

@@ -23,6 +23,7 @@ from flotilla.client.transport import (
     Enrol,
     FetchModel,
     GiveUp,
+    SecAggMessage,
     Heartbeat,
     Leave,
     Poll,
@@ -193,6 +194,15 @@ class GrpcTransport:
                 md = credential_metadata(r.credential)
                 await stub.GiveUp(give_up, metadata=md, timeout=r.timeout_s)
                 return None
+            case SecAggMessage():
+                ref = r.ref
+                message = pb.SecAggRequest(
+                    job_id=ref.job_id, round=ref.round, round_token=ref.round_token,
+                    stage=r.stage, body=r.body, identity_key=r.identity_key,
+                )  # fmt: skip
+                md = credential_metadata(r.credential)
+                reply = await stub.SecAgg(message, metadata=md, timeout=r.timeout_s)
+                return bytes(reply.body)
             case Leave():
                 leave = pb.LeaveRequest(reason=r.reason)
                 md = credential_metadata(r.credential)

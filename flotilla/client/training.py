@@ -123,7 +123,8 @@ class LocalTrainer:
         del local, trained
         pipeline = self.pipeline(config, work.codec)
         delta = pipeline.smooth(work.job_id, delta)
-        if config.p2p is not None:  # averaged with the group, compressed on hivemind's wire
+        if config.p2p is not None or config.secagg is not None:
+            # Averaged with the group on hivemind's wire, or masked (SecAgg+ quantizes it).
             return TrainOutcome(int(num_samples), metrics, b"", delta=delta)
         if pipeline.residuals is not None:
             held_for = self._residual_codec.get(work.job_id, work.codec)

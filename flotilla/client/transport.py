@@ -167,6 +167,20 @@ class ReportAverage(Request[ReportVerdict]):
 
 
 @dataclass(frozen=True, slots=True)
+class SecAggMessage(Request[bytes]):
+    """This device's message for one stage of a secure round; the reply is its message for
+    the next stage (b"" after the last), once the stage closes on the server."""
+
+    credential: DeviceCredential
+    ref: RoundRef
+    stage: int
+    body: bytes = field(repr=False)
+    timeout_s: float
+    #: The device's raw Ed25519 public key, with its first message of a round.
+    identity_key: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
 class GiveUp(Request[None]):
     """This device will not finish the round ``ref`` (its conditions stopped meeting the
     job's eligibility): a dropout now rather than at the deadline."""
@@ -195,6 +209,7 @@ AgentRequest = (
     | ReserveUpload
     | SubmitUpdate
     | ReportAverage
+    | SecAggMessage
     | GiveUp
     | Leave
 )
@@ -208,6 +223,7 @@ REQUESTS = (
     ReserveUpload,
     SubmitUpdate,
     ReportAverage,
+    SecAggMessage,
     GiveUp,
     Leave,
 )
@@ -288,6 +304,7 @@ __all__ = [
     "Request",
     "Reservation",
     "ReserveUpload",
+    "SecAggMessage",
     "SpeedTest",
     "SubmitUpdate",
     "UploadHeader",

@@ -30,8 +30,7 @@ def unflatten(vector: np.ndarray, layout: Sequence[TensorSpec]) -> ModelState:
     length is not the layout's."""
     if vector.ndim != 1 or vector.size != flat_length(layout):
         raise UpdateRejected(
-            f"a flat update of {vector.size} values does not fit a model of "
-            f"{flat_length(layout)}"
+            f"a flat update of {vector.size} values does not fit a model of {flat_length(layout)}"
         )
     state: ModelState = {}
     at = 0
@@ -40,3 +39,19 @@ def unflatten(vector: np.ndarray, layout: Sequence[TensorSpec]) -> ModelState:
         state[spec.name] = vector[at : at + size].astype(np.float32).reshape(spec.shape)
         at += size
     return state
+
+
+def secure_input(
+    update: Mapping[str, np.ndarray], num_samples: int, weighting: str, l2_clip: float
+) -> tuple[np.ndarray, int]:
+    """What a device masks in a secure round (``round_config.SecurePlan``): its update as
+    one vector, first clipped to L2 norm ``l2_clip`` when that is > 0 (DP-FedAvg's clip,
+    so the server's noise covers each update), and its weight: its sample count, or 1
+    when the strategy is unweighted (``weighting == "one"``)."""
+    vector = flatten(update)
+    if l2_clip > 0:
+        norm = float(np.linalg.norm(vector.astype(np.float64)))
+        if norm > l2_clip:
+            vector = (vector * np.float32(l2_clip / norm)).astype(np.float32)
+    weight = 1 if weighting == "one" else max(int(num_samples), 1)
+    return vector, weight

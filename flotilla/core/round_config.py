@@ -20,7 +20,6 @@ from flotilla.core.spec import CompressionSection, DataSection, PrivacySection, 
 from flotilla.core.tables import build_dataclass
 from flotilla.core.tensors import TensorSpec
 
-
 #: How a secure round weights each device's update: by its sample count (FedAvg and
 #: friends) or all alike (DP-FedAvg, which is unweighted).
 WEIGHTINGS = ("samples", "one")

@@ -13,6 +13,7 @@ devices that advertised (so a device may register its key as late as its adverti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
@@ -143,10 +144,8 @@ class StageExchange:
         every waiting device hears it)."""
         stage = self.stage
         if timeout_s > 0:
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._all_in.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
         for device_id in self.live - self._answered.keys():
             self.dropped[device_id] = stage  # silent at the close: out from here on
         self.live &= self._answered.keys()

@@ -229,6 +229,28 @@ class GiveUpReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SecAggRequest(_message.Message):
+    __slots__ = ("job_id", "round", "round_token", "stage", "body", "identity_key")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_KEY_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    round_token: str
+    stage: int
+    body: bytes
+    identity_key: bytes
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., stage: _Optional[int] = ..., body: _Optional[bytes] = ..., identity_key: _Optional[bytes] = ...) -> None: ...
+
+class SecAggReply(_message.Message):
+    __slots__ = ("body",)
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    body: bytes
+    def __init__(self, body: _Optional[bytes] = ...) -> None: ...
+
 class LeaveRequest(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]

@@ -79,6 +79,11 @@ class AgentStub:
                 request_serializer=flotilla_dot_proto_dot_flotilla__pb2.GiveUpRequest.SerializeToString,
                 response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.GiveUpReply.FromString,
                 _registered_method=True)
+        self.SecAgg = channel.unary_unary(
+                '/flotilla.v1.Agent/SecAgg',
+                request_serializer=flotilla_dot_proto_dot_flotilla__pb2.SecAggRequest.SerializeToString,
+                response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.SecAggReply.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/flotilla.v1.Agent/Leave',
                 request_serializer=flotilla_dot_proto_dot_flotilla__pb2.LeaveRequest.SerializeToString,
@@ -154,6 +159,15 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecAgg(self, request, context):
+        """Secure rounds (privacy.secure_aggregation): this device's SecAgg+ message for one
+        stage; the reply, once the stage closes on the server, is its message for the next
+        (empty after the last). Replaces SubmitUpdate in such rounds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -207,6 +221,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.GiveUp,
                     request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.GiveUpRequest.FromString,
                     response_serializer=flotilla_dot_proto_dot_flotilla__pb2.GiveUpReply.SerializeToString,
+            ),
+            'SecAgg': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecAgg,
+                    request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.SecAggRequest.FromString,
+                    response_serializer=flotilla_dot_proto_dot_flotilla__pb2.SecAggReply.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -457,6 +476,33 @@ class Agent:
             '/flotilla.v1.Agent/GiveUp',
             flotilla_dot_proto_dot_flotilla__pb2.GiveUpRequest.SerializeToString,
             flotilla_dot_proto_dot_flotilla__pb2.GiveUpReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecAgg(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flotilla.v1.Agent/SecAgg',
+            flotilla_dot_proto_dot_flotilla__pb2.SecAggRequest.SerializeToString,
+            flotilla_dot_proto_dot_flotilla__pb2.SecAggReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -246,7 +246,12 @@ class Federation:
         return await self._uploads.report(device.id, ref, report, hold_s)
 
     async def secagg(
-        self, device: DeviceRecord, ref: RoundRef, stage: int, body: bytes, identity_key: bytes = b""
+        self,
+        device: DeviceRecord,
+        ref: RoundRef,
+        stage: int,
+        body: bytes,
+        identity_key: bytes = b"",
     ) -> bytes:
         """One device's message for a stage of a secure round; its message for the next
         stage once this one closes (bounded: the stage's timeout plus slack). A device not

@@ -124,6 +124,13 @@ class AgentServicer:
         self._federation.report_failure(device, wire.round_ref(request), request.reason)
         return pb.GiveUpReply()
 
+    async def SecAgg(self, request: pb.SecAggRequest, context: Context) -> pb.SecAggReply:
+        device = await self._device(context)
+        body = await self._federation.secagg(
+            device, wire.round_ref(request), request.stage, request.body, request.identity_key
+        )
+        return pb.SecAggReply(body=body)
+
     async def Leave(self, request: pb.LeaveRequest, context: Context) -> pb.LeaveReply:
         device = await self._device(context)
         self._federation.leave(device, request.reason)

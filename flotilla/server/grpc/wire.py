@@ -83,7 +83,11 @@ def blob_to_wire(piece: BlobSlice) -> bytes:
 
 
 def round_ref(
-    msg: pb.ReserveUploadRequest | pb.AverageReport | pb.UpdateHeader | pb.GiveUpRequest,
+    msg: pb.ReserveUploadRequest
+    | pb.AverageReport
+    | pb.UpdateHeader
+    | pb.GiveUpRequest
+    | pb.SecAggRequest,
 ) -> RoundRef:
     return RoundRef(msg.job_id, msg.round, msg.round_token)
 
