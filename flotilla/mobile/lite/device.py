@@ -14,20 +14,36 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, StaleRoundError, Unreachable, UpdateRejected, WireError
+from flotilla.core.flat import secure_input
 from flotilla.core.measure import matmul_gflops, memory_bytes
+from flotilla.core.round_config import RoundConfig
+from flotilla.core.tensors import ModelState
 from flotilla.core.work import RoundRef
 from flotilla.mobile.lite.conditions import LiteConditions, job_policy, stop_check
 from flotilla.mobile.lite.http import HttpDevice, OfferedTask
 from flotilla.mobile.lite.mlp import StopCheck, Stopped
 from flotilla.mobile.lite.rounds import LiteTrainer
 from flotilla.mobile.lite.state import LiteState
+from flotilla.secagg import SecAggConfig, SecAggDevice, SecAggRefused, Session, Stage
 
 log = logging.getLogger(__name__)
 
 #: Pause after the server could not be reached (HttpDevice has already retried).
 AWAY_PAUSE_S = 2.0
+#: Beyond the server's wait for a secure round's stage, what its reply may take.
+SECAGG_SLACK_S = 10.0
+
+#: Builds the device's SecAgg+ party: (config, session, device id, identity key, update,
+#: weight), as ``flotilla.secagg.SecAggDevice`` takes them.
+SecAggFactory = Callable[
+    [SecAggConfig, Session, str, Ed25519PrivateKey, np.ndarray, int], SecAggDevice
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +67,15 @@ class LiteDevice:
         trainer: LiteTrainer,
         conditions: LiteConditions,
         device_class: str = "",
+        identity: Ed25519PrivateKey | None = None,
+        secagg_device: SecAggFactory = SecAggDevice,
     ) -> None:
+        """``identity``: signs this device's secure-round messages (None: one made for
+        this run, until enrolment registers a key); ``secagg_device``: builds its SecAgg+
+        party (a seam for tests)."""
         self.http = http
+        self.identity = identity or Ed25519PrivateKey.generate()
+        self.secagg_device = secagg_device
         self.state = state
         self.trainer = trainer
         self.conditions = conditions
@@ -125,6 +148,8 @@ class LiteDevice:
             trained = self.trainer.train(order, model, self._watch(task, should_stop))
             if isinstance(trained, Stopped):
                 return self._give_up(task, trained.reason, outcome)
+            if trained.delta is not None:
+                return self._secure(task, trained.delta, trained.num_samples, outcome)
             receipt = self.http.upload(
                 order, trained.payload, trained.num_samples, trained.codec, trained.metrics
             )
@@ -136,6 +161,41 @@ class LiteDevice:
             self._quietly_report(ref, f"failed: {exc}")
             return outcome("gave_up", str(exc))
         return outcome("accepted" if receipt.accepted else "refused", receipt.detail)
+
+    def _secure(
+        self,
+        task: OfferedTask,
+        delta: ModelState,
+        num_samples: int,
+        outcome: Callable[[str, str], ServedRound],
+    ) -> ServedRound:
+        """A secure round: mask the update with SecAgg+ and answer every stage; a device
+        that stops (SecAggRefused) gives the round up with the reason."""
+        order = task.order
+        plan = RoundConfig.from_json(order.config_json).secagg
+        assert plan is not None and self.http.credential is not None
+        vector, weight = secure_input(delta, num_samples, plan.weighting, plan.l2_clip)
+        config = SecAggConfig.from_privacy(plan.privacy, len(plan.participants))
+        session = Session(order.job_id, order.round, plan.participants)
+        party = self.secagg_device(
+            config, session, self.http.credential.device_id, self.identity, vector, weight
+        )
+        key = self.identity.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        message = b""
+        for stage in Stage:
+            try:
+                body = party.respond(stage, message)
+            except SecAggRefused as exc:
+                log.warning("job %s round %d: secure round stopped: %s", order.job_id,
+                            order.round, exc)  # fmt: skip
+                self._quietly_report(order.ref, f"secagg: {exc.reason}")
+                return outcome("gave_up", f"secagg: {exc.reason}")
+            wait_s = plan.privacy.stage_timeout_s + SECAGG_SLACK_S
+            if stage == Stage.ADVERTISE:  # the first stage closes at the round's deadline
+                wait_s += max(order.deadline - time.time(), 0.0)
+            first = stage == Stage.ADVERTISE
+            message = self.http.secagg(order.ref, int(stage), body, wait_s, key if first else b"")
+        return outcome("accepted", "secure round done")
 
     def _fetch(self, task: OfferedTask) -> bytes:
         """The round's model, from the state dir when held, else downloaded (resumable)."""

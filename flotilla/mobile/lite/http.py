@@ -44,6 +44,11 @@ PROTOCOL = 1
 PREFIX = "/device/v1"
 #: Bytes read from a download's body at a time.
 READ_BYTES = 256 * 1024
+#: Headers of a secure-round message (docs/protocol.md, "Secure rounds").
+ROUND_TOKEN_HEADER = "Flotilla-Round-Token"
+IDENTITY_KEY_HEADER = "Flotilla-Identity-Key"
+#: The largest secure-round reply read (the server's message limit).
+MAX_SECAGG_REPLY_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +239,37 @@ class HttpDevice:
 
     def leave(self, reason: str = "") -> None:
         self._call("POST", "/leave", self.timeouts.leave_s, {"reason": reason})
+
+    def secagg(
+        self, ref: RoundRef, stage: int, body: bytes, timeout_s: float, identity_key: bytes = b""
+    ) -> bytes:
+        """This device's message for one stage of a secure round; its message for the next
+        stage once the stage closes on the server (b"" after the last). Not retried: a
+        stage message is taken once."""
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "Accept": "application/octet-stream",
+            ROUND_TOKEN_HEADER: ref.round_token,
+        }
+        if identity_key:
+            headers[IDENTITY_KEY_HEADER] = identity_key.hex()
+        path = f"{PREFIX}/secagg/{urllib.parse.quote(ref.job_id, safe='')}/{ref.round}/{stage}"
+        conn = self._connection(timeout_s)
+        try:
+            conn.request("POST", path, body=body, headers=self._headers(headers))
+            response = conn.getresponse()
+            raw = response.read(MAX_SECAGG_REPLY_BYTES + 1)
+            status = response.status
+        except (OSError, http.client.HTTPException) as exc:
+            self.broken_calls += 1
+            raise Unreachable(f"POST {path}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            conn.close()
+        if status >= 400:
+            raise error_for(status, _json(raw))
+        if len(raw) > MAX_SECAGG_REPLY_BYTES:
+            raise WireError(f"a secure-round reply is at most {MAX_SECAGG_REPLY_BYTES} bytes")
+        return raw
 
     # --- model download ------------------------------------------------------------------
 

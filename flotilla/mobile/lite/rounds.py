@@ -130,6 +130,8 @@ class LiteUpdate:
     payload_sha256: str
     #: The codec that wrote ``payload`` (the header's ``codec``).
     codec: str
+    #: Secure rounds: the update itself, masked instead of uploaded (``payload`` empty).
+    delta: ModelState | None = None
 
 
 def round_codec(order: WorkOrder, config: RoundConfig) -> LiteCodec:
@@ -206,6 +208,8 @@ class LiteTrainer:
             return trained
         delta = {k: trained.state[k] - global_state[k] for k in global_state}
         delta = self._smooth(order.job_id, delta, config.train.update_momentum)
+        if config.secagg is not None:  # SecAgg+ quantizes it; no codec, no residuals
+            return LiteUpdate(trained.num_samples, trained.metrics, b"", "", "none", delta)
         residuals = None
         if config.compression.error_feedback:
             residuals = _matching(self.states.get(RESIDUALS, order.job_id), delta)

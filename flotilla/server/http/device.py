@@ -46,6 +46,8 @@ class DeviceSettings:
     #: The chunk size devices are told to use, and the largest chunk taken (413 above).
     chunk_bytes: int = 1024 * 1024
     max_chunk_bytes: int = 8 * 1024 * 1024
+    #: The largest secure-round stage message taken (413 above), as gRPC's message limit.
+    max_secagg_bytes: int = 8 * 1024 * 1024
 
 
 class DeviceRoutes:
@@ -128,6 +130,30 @@ class DeviceRoutes:
         self._federation.leave(device, reason)
         self._offered.pop(device.id, None)
         return respond({"left": True})
+
+    async def secagg(self, request: web.Request) -> web.Response:
+        """One stage message of a secure round in (octet stream), the next one out, once
+        the stage closes on the server."""
+        device = await self._device(request)
+        ref, stage = wire.secagg_path(request.match_info, request.headers)
+        key = wire.identity_key_header(request.headers)
+        length = request.content_length
+        if length is None:
+            raise DeviceRefusal(411, "length_required", "send the message with a Content-Length")
+        if length > self._s.max_secagg_bytes:
+            raise DeviceRefusal(
+                413,
+                "payload_too_large",
+                f"secure-round messages are at most {self._s.max_secagg_bytes} bytes",
+            )
+        try:
+            body = await asyncio.wait_for(
+                request.content.readexactly(length), self._s.timeouts.upload_idle_s
+            )
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
+            raise WireError(f"message truncated: fewer than its {length} bytes arrived") from None
+        reply = await self._federation.secagg(device, ref, stage, body, key)
+        return web.Response(body=reply, content_type="application/octet-stream")
 
     # --- model download ------------------------------------------------------------------
 
@@ -322,6 +348,7 @@ class DeviceRoutes:
         post("/heartbeat", self.heartbeat)
         post("/failure", self.failure)
         post("/leave", self.leave)
+        post("/secagg/{job_id}/{round}/{stage}", self.secagg)
         app.router.add_get("/models/{sha256}", self.model, allow_head=False)
         post("/uploads", self.create_upload)
         app.router.add_get("/uploads/{id}", self.upload_status, allow_head=False)

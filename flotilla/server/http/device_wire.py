@@ -213,6 +213,42 @@ def leave_request(data: object) -> str:
     return reason
 
 
+#: Headers of a secure-round message (``POST /device/v1/secagg/{job_id}/{round}/{stage}``).
+ROUND_TOKEN_HEADER = "Flotilla-Round-Token"
+IDENTITY_KEY_HEADER = "Flotilla-Identity-Key"
+#: A raw Ed25519 public key, hex.
+_KEY_HEX = 64
+
+
+def secagg_path(path: Mapping[str, str], headers: Mapping[str, str]) -> tuple[RoundRef, int]:
+    """The round and stage a secure-round message is for: job, round and stage in the
+    path, the round token in its header. WireError naming what is wrong."""
+    job_id = path.get("job_id", "")
+    token = headers.get(ROUND_TOKEN_HEADER, "")
+    if not 0 < len(job_id) <= MAX_TEXT or not 0 < len(token) <= MAX_TEXT:
+        raise WireError(
+            f"a secure-round message names its job in the path and its round in a "
+            f"{ROUND_TOKEN_HEADER} header (1 to {MAX_TEXT} characters each)"
+        )
+    numbers = []
+    for name in ("round", "stage"):
+        text = path.get(name, "")
+        if not (text.isdigit() and len(text) <= 9):
+            raise WireError(f"secure-round message: {name} in the path must be a whole number")
+        numbers.append(int(text))
+    return RoundRef(job_id, numbers[0], token), numbers[1]
+
+
+def identity_key_header(headers: Mapping[str, str]) -> bytes:
+    """The device's raw Ed25519 public key from its hex header (b"" without one)."""
+    text = headers.get(IDENTITY_KEY_HEADER, "")
+    if not text:
+        return b""
+    if len(text) != _KEY_HEX or not set(text) <= _SHA_CHARS:
+        raise WireError(f"{IDENTITY_KEY_HEADER} must be {_KEY_HEX} lowercase hex characters")
+    return bytes.fromhex(text)
+
+
 # --- responses -----------------------------------------------------------------------------
 
 
