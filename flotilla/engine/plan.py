@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +18,12 @@ from typing import Any
 from flotilla.aggregation import Aggregator, Traits, make_aggregator, parse_params, strategy_info
 from flotilla.compression import Codec, make_codec
 from flotilla.core.eligibility import EligibilitySection
-from flotilla.core.errors import SpecError
+from flotilla.core.errors import ConfigError, SpecError
 from flotilla.core.spec import JobSpec
 from flotilla.core.tensors import TensorSpec
 from flotilla.engine.backend import TrainTask
 from flotilla.scheduling import selector_params
+from flotilla.secagg import SecAggConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,32 +162,38 @@ def _check_secure(spec: JobSpec, params: Any) -> None:
     if not spec.privacy.secure_aggregation:
         return
     agg, comp = spec.aggregation, spec.compression
-    if agg.strategy not in SECURE_STRATEGIES:
+    if agg.strategy not in SECURE_STRATEGIES:  # each refusal names the fields at fault
         why = (
             "is asynchronous (buffered rounds)"
             if agg.strategy == "fedbuff"
             else "needs the individual updates"
         )
-        raise SpecError(
+        raise ConfigError(
             f"privacy.secure_aggregation shows the server only the sum of a round's updates: "
             f"aggregation.strategy {agg.strategy!r} {why}; use one of "
             f"{', '.join(SECURE_STRATEGIES)}"
         )
     if agg.transport != "server":
-        raise SpecError(
+        raise ConfigError(
             "privacy.secure_aggregation runs through the server: aggregation.transport must be "
             f'"server", not {agg.transport!r}'
         )
     if comp.uplink != "none" or comp.uplink_by_mbps or comp.error_feedback:
-        raise SpecError(
+        raise ConfigError(
             "privacy.secure_aggregation quantizes the update itself: compression.uplink must "
             'be "none", without uplink_by_mbps or error_feedback'
         )
     if getattr(params, "adaptive_clip", False):
-        raise SpecError(
+        raise ConfigError(
             "privacy.secure_aggregation hides which updates were clipped: "
             "aggregation.params.adaptive_clip must be false"
         )
+    # The round's size decides the automatic neighbours and the sum the modulus must hold.
+    devices = max(2, math.ceil(round(spec.job.clients_per_round * spec.job.over_selection, 9)))
+    try:
+        SecAggConfig.from_privacy(spec.privacy, devices)
+    except ConfigError as exc:
+        raise ConfigError(f"privacy (a round of up to {devices} devices): {exc}") from exc
 
 
 def _codec(field: str, name: str, params: Mapping[str, Any]) -> Codec:

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 
 from flotilla.aggregation import SecurelySummed
-from flotilla.core.errors import FlotillaError, UpdateRejected
+from flotilla.core.errors import FlotillaError, SpecError, UpdateRejected
 from flotilla.core.events import failure_reason
 from flotilla.core.flat import flat_length, unflatten
 from flotilla.core.records import ParticipationRecord
@@ -89,7 +89,13 @@ class SecureRounds:
             exchanges.append(exchange)
             return secure_task(task, plan, exchange)
 
-        lease = ctx.dispatch(grant, make_task)
+        try:
+            lease = ctx.dispatch(grant, make_task)
+        except SpecError as exc:  # too few devices for the job's neighbours (freed again)
+            log.warning("job %s round %d: cannot start a secure round: %s", ctx.job.id,
+                        round_no, exc)  # fmt: skip
+            ctx.retried(round_no, "secagg")
+            return False
         if lease is None:
             ctx.retried(round_no, "no_devices")
             return False
@@ -189,23 +195,25 @@ def _account(
     masked: MaskedSum | None,
     started: float,
 ) -> None:
-    """The round's record: survivors as participants (their sample counts stay secret),
-    devices that dropped out as failures with the stage they left in."""
+    """The round's record: devices whose masked input is in the sum as participants (their
+    sample counts stay secret); devices that dropped out as failures, and the stage each
+    left in among the decisions (one that left after its masked input is both)."""
     survivors = set(masked.survivors) if masked is not None else set()
     now = ctx.clock()
     for device_id in exchange.participants:
-        if device_id in survivors:
+        if device_id in survivors:  # its masked input is in the sum
             tally.durations[device_id] = now - started
             tally.accepted.append(
                 ParticipationRecord(
                     ctx.job.id, exchange.session.round, device_id, 0, started, now, {}
                 )
             )
-        elif device_id not in tally.reasons:
-            stage = exchange.dropped.get(device_id)
+        stage = exchange.dropped.get(device_id)
+        if stage is not None:
+            counted = " (its masked input is in the sum)" if device_id in survivors else ""
+            tally.decisions.append(f"{device_id} dropped out at {stage.name}{counted}")
+        if device_id not in survivors and device_id not in tally.reasons:
             tally.fail(device_id, "dropped")
-            if stage is not None:
-                tally.decisions.append(f"{device_id} dropped out at {stage.name}")
     if masked is not None:
         tally.metrics["secagg_survivors"] = float(len(masked.survivors))
         tally.metrics["secagg_total_weight"] = float(masked.total_weight)

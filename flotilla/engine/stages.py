@@ -18,6 +18,9 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
 from flotilla.core.errors import StaleRoundError, WireError
 from flotilla.secagg import (
     MaskedSum,
@@ -68,6 +71,7 @@ class StageExchange:
         self._first_close = first_close
         self.session = session
         self._keys = keys
+        self._length = length
         self._limit = max_message_bytes(length, len(session.participants))
         self._server: SecAggServer | None = None
         #: Participants still in the round (not dropped, not silent at a stage's close).
@@ -100,7 +104,7 @@ class StageExchange:
         if device_id not in self.session.participants:
             raise StaleRoundError("this device is not a participant of the secure round")
         if self._aborted is not None:
-            raise StaleRoundError(f"the secure round was aborted: {self._aborted.reason}")
+            raise StaleRoundError(f"the secure round was aborted: {self._aborted}")
         if device_id not in self.live:
             raise StaleRoundError("this device is no longer in the secure round")
         if len(body) > self._limit:
@@ -178,9 +182,21 @@ class StageExchange:
         )  # fmt: skip
 
     async def _open_server(self, advertised: Mapping[str, bytes]) -> None:
-        keys = await self._keys.device_keys(sorted(advertised))
-        server = SecAggServer(self.config, self.session, keys)
+        keys = dict(await self._keys.device_keys(sorted(advertised)))
+        known = set(keys)
+        for device_id in self.session.participants:
+            if device_id not in keys:  # never verified against: it did not advertise or
+                keys[device_id] = _unusable_key()  # is dropped just below
+        server = SecAggServer(self.config, self.session, keys, length=self._length)
         for device_id, body in advertised.items():
+            if device_id not in known:
+                log.warning(
+                    "secure round %s/%d: %s advertised without an identity key",
+                    self.session.job_id, self.session.round, device_id,
+                )  # fmt: skip
+                self.live.discard(device_id)
+                self.dropped[device_id] = Stage.ADVERTISE
+                continue
             try:
                 server.accept(device_id, Stage.ADVERTISE, body)
             except SecAggMessageError as exc:
@@ -197,13 +213,19 @@ class StageExchange:
         if not self._replies.done():
             self._replies.set_result({})
 
-    def abort(self, reason: str) -> None:
-        """End the round from outside (the job stops): waiting devices hear it."""
-        self._abort(SecAggAborted(reason))
+    def abort(self, detail: str) -> None:
+        """End the round from outside (it closed, the job stops): waiting devices hear it."""
+        if self._aborted is None:
+            self._abort(SecAggAborted("out of stage", detail))
 
     def result(self) -> MaskedSum:
         assert self._server is not None
         return self._server.result()
+
+
+def _unusable_key() -> bytes:
+    """A public key whose private half is thrown away: no signature verifies against it."""
+    return Ed25519PrivateKey.generate().public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
 def _future() -> asyncio.Future[Mapping[str, bytes]]:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,9 +81,11 @@ class InProcessFederation:
         task: str = DIGITS,
         make_task: TaskFactory = _by_name,
         conditions: Sequence[ConditionsSource] = (),
+        options: Callable[[int], Mapping[str, Any]] = lambda i: {},
     ) -> list[Agent]:
         """``count`` agents on shards ``i/count``, as ``flotilla client --shard i/count``;
-        agent ``i`` reads its conditions from ``conditions[i]`` (none reported without)."""
+        agent ``i`` reads its conditions from ``conditions[i]`` (none reported without)
+        and takes ``options(i)`` as further ``AgentConfig`` fields."""
         token = await self.enrol_token()
         started = []
         for i in range(count):
@@ -94,6 +97,7 @@ class InProcessFederation:
                 timeouts=self.agent_timeouts,
                 conditions=conditions[i] if i < len(conditions) else None,
             )
+            config = dataclasses.replace(config, **options(i))
             agent = Agent(config, rng=random.Random(len(self.agents)), transport=self.transport())
             self.agents.append(agent)
             self._runs.append(asyncio.ensure_future(agent.run()))
