@@ -4,6 +4,7 @@
 
     FlotillaError
     ├── SpecError            a job spec or experiment file is wrong (names the field)
+    │   └── ConfigError      a setting that cannot work as given (a SecAgg+ sum would overflow)
     ├── WireError            bytes from the network are malformed, oversized or unsafe
     │   └── IntegrityError   a blob's SHA-256 does not match
     ├── UpdateRejected       a well-formed update that must not be aggregated
@@ -32,6 +33,11 @@ class FlotillaError(Exception):
 
 class SpecError(FlotillaError, ValueError):
     """A spec file or override is invalid; the message names the field and the file."""
+
+
+class ConfigError(SpecError):
+    """Settings valid one by one that cannot work together or at this size (the SecAgg+
+    modulus too small for the round's weighted sum); a SpecError, so submission refuses it."""
 
 
 class WireError(FlotillaError, ValueError):
