@@ -99,7 +99,7 @@ class RoundContext(Protocol):
 
     def retried(self, round_no: int, reason: str) -> None:
         """A round attempt ends without a commit (``reason``: ``quorum``, ``no_devices``,
-        ``no_agreement``); it will be tried again."""
+        ``no_agreement``, ``secagg``); it will be tried again."""
         ...
 
     def refused(self, round_no: int, exc: UpdateRejected) -> None:
