@@ -145,3 +145,25 @@ async def test_the_exchange_refuses_strangers_wrong_stages_duplicates_and_oversi
         await waiting
     with pytest.raises(StaleRoundError, match="aborted"):
         await exchange.exchange("d3", Stage.ADVERTISE, b"x")
+
+
+def test_the_http_edge_reads_a_secure_message_path_and_headers_strictly() -> None:
+    from flotilla.server.http import device_wire as wire
+
+    headers = {wire.ROUND_TOKEN_HEADER: "tok"}
+    ref, stage = wire.secagg_path({"job_id": "job-1", "round": "3", "stage": "2"}, headers)
+    assert (ref.job_id, ref.round, ref.round_token, stage) == ("job-1", 3, "tok", 2)
+    for path, hdrs, why in (
+        ({"job_id": "j", "round": "3", "stage": "2"}, {}, "round token"),
+        ({"job_id": "j", "round": "-1", "stage": "2"}, headers, "round in the path"),
+        ({"job_id": "j", "round": "1", "stage": "x"}, headers, "stage in the path"),
+        ({"job_id": "j", "round": "1", "stage": "9" * 12}, headers, "stage in the path"),
+    ):
+        with pytest.raises(WireError, match="(?i)" + why.split()[0]):
+            wire.secagg_path(path, hdrs)
+    assert wire.identity_key_header({}) == b""
+    key = bytes(range(32))
+    assert wire.identity_key_header({wire.IDENTITY_KEY_HEADER: key.hex()}) == key
+    for bad in ("ab", "zz" * 32, key.hex().upper()):
+        with pytest.raises(WireError, match="64 lowercase hex"):
+            wire.identity_key_header({wire.IDENTITY_KEY_HEADER: bad})
