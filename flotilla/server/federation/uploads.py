@@ -76,7 +76,7 @@ def checked_report(report: Reported) -> Reported:
 
 
 #: How far an upload got before it was refused: what the refusal's reason is.
-Stage = Literal["open", "header", "size", "room", "read", "decode", "finite", "deliver"]
+UploadStage = Literal["open", "header", "size", "room", "read", "decode", "finite", "deliver"]
 
 _STAGE_REASONS: dict[str, str] = {
     "open": "stale",
@@ -92,10 +92,10 @@ _STAGE_REASONS: dict[str, str] = {
 
 @dataclass(slots=True)
 class _Progress:
-    stage: Stage = "open"
+    stage: UploadStage = "open"
 
 
-def refusal_reason(stage: Stage, exc: FlotillaError) -> str:
+def refusal_reason(stage: UploadStage, exc: FlotillaError) -> str:
     """The bounded label (``core.events.REFUSAL_REASONS``) for ``exc`` raised at ``stage``."""
     if isinstance(exc, StaleRoundError):
         return "late" if stage == "read" else "stale"
