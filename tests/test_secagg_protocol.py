@@ -119,8 +119,9 @@ def test_config_refuses_a_modulus_the_sum_could_overflow() -> None:
 )
 def test_config_refuses_impossible_graphs(kwargs: dict[str, int], devices: int, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        SecAggConfig(clip=1.0, quantization_bits=8, modulus_bits=40, stage_timeout_s=1.0, **kwargs)\
-            .check(devices, 10)
+        SecAggConfig(
+            clip=1.0, quantization_bits=8, modulus_bits=40, stage_timeout_s=1.0, **kwargs
+        ).check(devices, 10)
 
 
 def test_automatic_parameters_from_the_privacy_section() -> None:

@@ -147,8 +147,7 @@ class SecAggDevice:
                 peer,
             )
             expander.add(values, seed, keys.mask_sign(self.device_id, peer))
-        np.bitwise_and(values, np.uint64((1 << self.config.modulus_bits) - 1), out=values)
-        return messages.encode_masked_input(values, self.config.modulus_bits)
+        return messages.encode_masked_input(expander.reduce(values), self.config.modulus_bits)
 
     def _sign_survivors(self, message: bytes) -> bytes:
         lists = messages.decode_survivors(message)

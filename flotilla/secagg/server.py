@@ -49,9 +49,12 @@ class SecAggServer:
         self._inputs: set[str] = set()
         self._survivors: tuple[str, ...] = ()
         self._dropped: tuple[str, ...] = ()
+        self._survivors_statement = b""
         self._signatures: dict[str, bytes] = {}
         self._reveals: dict[str, tuple[Reveal, ...]] = {}
         self._result: MaskedSum | None = None
+        #: Lagrange coefficients by share-index set: most owners' first t indices are alike.
+        self._lagrange: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     # -- accepting replies -------------------------------------------------------------
 
@@ -117,10 +120,7 @@ class SecAggServer:
 
     def _accept_signature(self, device: str, body: bytes) -> None:
         signature = messages.decode_signature(body)
-        statement = keys.survivors_statement(
-            self.session.job_id, self.session.round, self._survivors
-        )
-        if not keys.verify(self._device_keys[device], signature, statement):
+        if not keys.verify(self._device_keys[device], signature, self._survivors_statement):
             raise SecAggMessageError("bad signature", f"survivor list of {device[:64]!r}")
         self._signatures[device] = signature
 
@@ -203,6 +203,9 @@ class SecAggServer:
         self._enough(set(self._sealed), u3, "sent masked inputs")
         self._survivors = tuple(sorted(u3))
         self._dropped = tuple(sorted(set(self._sealed) - u3))
+        self._survivors_statement = keys.survivors_statement(
+            self.session.job_id, self.session.round, self._survivors
+        )
         body = messages.encode_survivors(SurvivorList(self._survivors, self._dropped))
         return {d: body for d in self._survivors}
 
@@ -245,7 +248,7 @@ class SecAggServer:
                 )
                 # the survivor added sign(peer, owner) * PRG(seed); take it back out
                 expander.add(acc, seed, -keys.mask_sign(peer, owner))
-        np.bitwise_and(acc, np.uint64((1 << self.config.modulus_bits) - 1), out=acc)
+        expander.reduce(acc)
         return MaskedSum(
             values=acc[: self._length].copy(),
             total_weight=int(acc[self._length]),
@@ -254,7 +257,9 @@ class SecAggServer:
 
     def _secret(self, shares: list[shamir.Share]) -> bytes:
         try:
-            return shamir.reconstruct(sorted(shares, key=lambda s: s.x), self.config.threshold)
+            return shamir.reconstruct(
+                sorted(shares, key=lambda s: s.x), self.config.threshold, cache=self._lagrange
+            )
         except ValueError as exc:
             raise SecAggAborted("reconstruction failed", str(exc)) from exc
 

@@ -49,30 +49,47 @@ def split(
     return shares
 
 
-def interpolate(shares: Sequence[Share]) -> int:
-    """The polynomial through ``shares`` at 0 (Lagrange); refuses repeated indices."""
-    xs = [s.x for s in shares]
-    if not shares or len(set(xs)) != len(xs):
+def lagrange_at_zero(xs: tuple[int, ...]) -> tuple[int, ...]:
+    """The coefficients l_i with f(0) = sum_i l_i * f(x_i); refuses repeated indices."""
+    if not xs or len(set(xs)) != len(xs):
         raise ValueError("need at least one share and distinct share indices")
-    total = 0
-    for i, share in enumerate(shares):
+    out = []
+    for i, xi in enumerate(xs):
         num, den = 1, 1
         for j, x in enumerate(xs):
             if j != i:
                 num = num * x % PRIME
-                den = den * (x - share.x) % PRIME
-        total = (total + share.y * num * pow(den, -1, PRIME)) % PRIME
-    return total
+                den = den * (x - xi) % PRIME
+        out.append(num * pow(den, -1, PRIME) % PRIME)
+    return tuple(out)
 
 
-def reconstruct(shares: Sequence[Share], threshold: int, size: int = 32) -> bytes:
+def interpolate(
+    shares: Sequence[Share], cache: dict[tuple[int, ...], tuple[int, ...]] | None = None
+) -> int:
+    """The polynomial through ``shares`` at 0; ``cache`` keeps coefficients by index set."""
+    xs = tuple(s.x for s in shares)
+    coefficients = cache.get(xs) if cache is not None else None
+    if coefficients is None:
+        coefficients = lagrange_at_zero(xs)
+        if cache is not None and len(cache) < 4096:
+            cache[xs] = coefficients
+    return sum(c * s.y for c, s in zip(coefficients, shares, strict=True)) % PRIME
+
+
+def reconstruct(
+    shares: Sequence[Share],
+    threshold: int,
+    size: int = 32,
+    cache: dict[tuple[int, ...], tuple[int, ...]] | None = None,
+) -> bytes:
     """The ``size``-byte secret from the first ``threshold`` shares (ValueError if there
     are fewer, if indices repeat, or if the result cannot be such a secret)."""
     if len(shares) < threshold:
         raise ValueError(f"{len(shares)} shares, {threshold} needed")
     if len({s.x for s in shares}) != len(shares):
         raise ValueError("repeated share index")
-    value = interpolate(shares[:threshold])
+    value = interpolate(shares[:threshold], cache)
     if value >= 1 << (8 * size):
         raise ValueError("the shares do not hold a secret of this size")
     return value.to_bytes(size, "big")
