@@ -200,3 +200,17 @@ async def test_below_threshold_the_round_fails_cleanly_and_the_retry_commits(
     [record] = detail.rounds
     assert len(record.participants) == 10
     _check_exact(blobs, start_sha, record, parties)
+
+
+async def test_dp_fedavg_runs_over_secure_rounds_and_spends_its_budget(tmp_path: Path) -> None:
+    """Devices clip to the DP clip norm and weigh 1; the server noises the unmasked sum."""
+    parties = Parties()
+    sets = ("aggregation.strategy=dp_fedavg", "aggregation.params.noise_multiplier=0.3",
+            "aggregation.params.clip_norm=0.5", "aggregation.params.epsilon=100")  # fmt: skip
+    _, detail, retried = await _run(tmp_path, parties, *sets)
+    assert detail.job.state == "completed", retried
+    [record] = detail.rounds
+    assert record.metrics["epsilon"] > 0
+    assert record.metrics["secagg_total_weight"] == 10  # every update weighs 1
+    for update, weight, _ in parties.inputs.values():
+        assert weight == 1 and np.linalg.norm(update) <= 0.5 + 1e-5

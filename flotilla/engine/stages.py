@@ -82,6 +82,8 @@ class StageExchange:
         self._all_in = asyncio.Event()
         self._replies: asyncio.Future[Mapping[str, bytes]] = _future()
         self._aborted: SecAggAborted | None = None
+        #: True while a stage closes (in a worker thread): no message is taken meanwhile.
+        self._closing = False
         #: Devices that dropped out, by the stage they left in.
         self.dropped: dict[str, Stage] = {}
 
@@ -107,6 +109,8 @@ class StageExchange:
             raise StaleRoundError(f"the secure round was aborted: {self._aborted}")
         if device_id not in self.live:
             raise StaleRoundError("this device is no longer in the secure round")
+        if self._closing:
+            raise StaleRoundError(f"stage {self.stage.name} of the secure round has closed")
         if len(body) > self._limit:
             raise WireError(f"a secure-round message is at most {self._limit} bytes")
         if stage != self.stage:
@@ -154,6 +158,7 @@ class StageExchange:
             self.dropped[device_id] = stage  # silent at the close: out from here on
         self.live &= self._answered.keys()
         answered, self._answered = self._answered, {}
+        self._closing = True
         try:
             if stage == Stage.ADVERTISE:
                 await self._open_server(answered)
@@ -162,10 +167,8 @@ class StageExchange:
         except SecAggAborted as exc:
             self._abort(exc)
             raise
-        except SecAggMessageError as exc:  # a bad advertisement, checked at the close
-            aborted = SecAggAborted(exc.reason)
-            self._abort(aborted)
-            raise aborted from exc
+        finally:
+            self._closing = False
         if stage == Stage.UNMASK:
             replies = {d: b"" for d in answered if d in self.live}
         self.live &= replies.keys()
