@@ -173,7 +173,9 @@ async def _watch(
     """Devices that fail, leave or go silent mid-round leave the exchange at once, so no
     stage waits for them. (Nothing else arrives: secure devices upload nothing.)"""
     while True:
-        result = await next_result(results, task.order.deadline + 3600 - ctx.clock())
+        # Bounded by the longest the stages can last; the driver cancels this sooner.
+        last = task.order.deadline + len(Stage) * ctx.spec.privacy.stage_timeout_s
+        result = await next_result(results, last - ctx.clock())
         if result is None:
             return
         if isinstance(result, Failed):
