@@ -29,6 +29,7 @@ from typing import Any
 from flotilla.cli.console import setup_logging
 from flotilla.cli.data import add_data_parser
 from flotilla.cli.operator import add_devices_parser, add_job_parser
+from flotilla.cli.tokens import add_token_parser
 from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError, Unreachable
 from flotilla.core.timeouts import Timeouts
 
@@ -217,16 +218,7 @@ def _server_parser(commands: Any) -> None:
     server.add_argument("--http-host", default=None, help="default: the --host")
     server.set_defaults(handler=_serve)
     sub = server.add_subparsers(title="server commands", metavar="SUBCOMMAND")
-    token = sub.add_parser("token", help="manage enrolment and read tokens")
-    token_sub = token.add_subparsers(title="token commands", metavar="ACTION")
-    create = token_sub.add_parser("create", help="mint an enrolment token (printed last)")
-    create.add_argument("--state-dir", type=Path, default=Path("flotilla-state"))
-    create.add_argument("--db", default=None, help="database URL (default: the server's)")
-    create.add_argument(
-        "--read-only", action="store_true",
-        help="mint a read token for the HTTP API and dashboard instead (it cannot enrol)",
-    )  # fmt: skip
-    create.set_defaults(handler=_token_create)
+    add_token_parser(sub)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -270,14 +262,6 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
 
     return _run(serve())
-
-
-def _token_create(args: argparse.Namespace) -> int:
-    from flotilla.server.federation.tokens import create_enrol_token, create_read_token
-
-    mint = create_read_token if args.read_only else create_enrol_token
-    print(asyncio.run(mint(args.state_dir, args.db)))
-    return 0
 
 
 # --- client ----------------------------------------------------------------------------
