@@ -69,8 +69,10 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) ->
     if code is None:
         raise exc
     retry = getattr(exc, "retry_after_s", None)
-    trailing = (("retry-after", str(math.ceil(retry))),) if retry is not None else ()
-    await context.abort(code, str(exc), trailing)
+    if retry is None:
+        await context.abort(code, str(exc))
+    else:  # a rate limit says how long to wait, as HTTP's Retry-After
+        await context.abort(code, str(exc), (("retry-after", str(math.ceil(retry))),))
     raise AssertionError("unreachable: abort raises")
 
 
