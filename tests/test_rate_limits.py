@@ -12,6 +12,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -197,3 +198,21 @@ async def test_http_connections_are_capped_per_address(live: LiveServer) -> None
                 s.close()
 
     await asyncio.to_thread(scenario)
+
+
+async def test_uploads_are_limited_per_device(live: LiveServer) -> None:
+    """Counted at the reservation, before the round is even looked at."""
+    flood, calm = await live.enrol(), await live.enrol()
+    request = pb.ReserveUploadRequest(job_id="j", round=1, round_token="t", payload_size=10)
+
+    def reserve(device: Device) -> Any:
+        return live.agent.ReserveUpload(request, metadata=device.md, timeout=10)
+
+    for _ in range(2):  # the burst: each refused on its merits (no such round)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await reserve(flood)
+        assert info.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+    await refused(reserve(flood), grpc.StatusCode.RESOURCE_EXHAUSTED, "too many uploads")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await reserve(calm)
+    assert info.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
