@@ -329,7 +329,9 @@ def start_server(work: Path, hold_s: float) -> tuple[Process, str, str]:
     server = Process(
         [sys.executable, "-m", "flotilla", "server", "--host", "127.0.0.1", "--port", "0",
          "--http-port", "0", "--state-dir", str(state), "--liveness", "600",
-         "--poll-hold", str(hold_s)],
+         "--poll-hold", str(hold_s),
+         # 1,000 devices on one loopback address: no per-address caps or enrol limit here.
+         "--rate-limit", "enrol=100000/100000", "--max-connections", "100000"],
         work / "server.log",
     )  # fmt: skip
     server.start()

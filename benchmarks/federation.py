@@ -320,6 +320,8 @@ async def run_federation(
         [
             sys.executable, "-m", "flotilla", "server", "--host", "127.0.0.1",
             "--port", "0", "--no-http", "--state-dir", str(state), *server_args,
+            # Every agent on one loopback address: no per-address caps or enrol limit here.
+            "--rate-limit", "enrol=100000/100000", "--max-connections", "100000",
         ],
         workdir / "server.log",
     )  # fmt: skip

@@ -28,7 +28,9 @@ from typing import Any
 
 from flotilla.cli.console import setup_logging
 from flotilla.cli.data import add_data_parser
+from flotilla.cli.limits import rate_limits
 from flotilla.cli.operator import add_devices_parser, add_job_parser
+from flotilla.cli.tokens import add_token_parser
 from flotilla.core.errors import AuthError, FlotillaError, NotFoundError, SpecError, Unreachable
 from flotilla.core.timeouts import Timeouts
 
@@ -182,6 +184,20 @@ def _server_parser(commands: Any) -> None:
     server.add_argument("--tls-cert", type=Path, default=None)
     server.add_argument("--tls-key", type=Path, default=None)
     server.add_argument(
+        "--tls-client-ca", type=Path, default=None, metavar="CA.pem",
+        help="mutual TLS: devices (and gRPC operators) present a certificate this CA signed; "
+        "a device's names its device id (needs --tls-cert and --tls-key)",
+    )  # fmt: skip
+    server.add_argument(
+        "--rate-limit", action="append", default=[], metavar="KIND=RATE/BURST",
+        help="per-device poll or upload, per-address enrol: calls per second and burst "
+        "(defaults poll=10/50, upload=2/20, enrol=20/200); repeatable",
+    )  # fmt: skip
+    server.add_argument(
+        "--max-connections", type=int, default=None, metavar="N",
+        help="connections (HTTP) and calls in flight (gRPC) per client address (default 256)",
+    )  # fmt: skip
+    server.add_argument(
         "--liveness", type=float, default=30.0, help="seconds before a silent device is dropped"
     )
     server.add_argument(
@@ -217,16 +233,7 @@ def _server_parser(commands: Any) -> None:
     server.add_argument("--http-host", default=None, help="default: the --host")
     server.set_defaults(handler=_serve)
     sub = server.add_subparsers(title="server commands", metavar="SUBCOMMAND")
-    token = sub.add_parser("token", help="manage enrolment and read tokens")
-    token_sub = token.add_subparsers(title="token commands", metavar="ACTION")
-    create = token_sub.add_parser("create", help="mint an enrolment token (printed last)")
-    create.add_argument("--state-dir", type=Path, default=Path("flotilla-state"))
-    create.add_argument("--db", default=None, help="database URL (default: the server's)")
-    create.add_argument(
-        "--read-only", action="store_true",
-        help="mint a read token for the HTTP API and dashboard instead (it cannot enrol)",
-    )  # fmt: skip
-    create.set_defaults(handler=_token_create)
+    add_token_parser(sub)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -250,6 +257,8 @@ def _serve(args: argparse.Namespace) -> int:
         db_url=args.db,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        rate_limits=rate_limits(args.rate_limit, args.max_connections),
         timeouts=Timeouts(liveness_s=args.liveness, poll_hold_s=args.poll_hold),
         http_port=None if args.no_http else args.http_port,
         http_host=args.http_host,
@@ -272,14 +281,6 @@ def _serve(args: argparse.Namespace) -> int:
     return _run(serve())
 
 
-def _token_create(args: argparse.Namespace) -> int:
-    from flotilla.server.federation.tokens import create_enrol_token, create_read_token
-
-    mint = create_read_token if args.read_only else create_enrol_token
-    print(asyncio.run(mint(args.state_dir, args.db)))
-    return 0
-
-
 # --- client ----------------------------------------------------------------------------
 
 
@@ -294,6 +295,11 @@ def _client_parser(commands: Any) -> None:
     )
     client.add_argument("--state-dir", type=Path, default=None, help="keeps the credential")
     client.add_argument("--tls-ca", type=Path, default=None)
+    client.add_argument(
+        "--tls-cert", type=Path, default=None,
+        help="this device's certificate, for a server with --tls-client-ca (its CN: the device id)",
+    )  # fmt: skip
+    client.add_argument("--tls-key", type=Path, default=None, help="its private key")
     client.add_argument(
         "--conditions", type=Path, default=None, metavar="FILE",
         help="JSON object (charging, battery 0..1, network, idle, thermal) re-read at every "
@@ -325,6 +331,10 @@ def _client(args: argparse.Namespace) -> int:
         shard = Shard.parse(args.shard)
     except ValueError as exc:
         raise SpecError(f"--shard: {exc}") from exc
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SpecError("--tls-cert and --tls-key go together")
+    if args.tls_cert and not args.tls_ca:
+        raise SpecError("--tls-cert is for a TLS server: give --tls-ca too")
     load_task(args.task)  # fail now, not at the first round
     try:
         conditions = conditions_source(args.conditions)  # a bad file fails now too
@@ -337,6 +347,8 @@ def _client(args: argparse.Namespace) -> int:
         trainer=trainer,
         state_dir=args.state_dir,
         tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
         p2p=PeerOptions(
             host_maddrs=tuple(args.p2p_host_maddrs) if args.p2p_host_maddrs else None,
             announce_maddrs=tuple(args.p2p_announce_maddrs) if args.p2p_announce_maddrs else None,

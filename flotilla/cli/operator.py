@@ -28,7 +28,7 @@ def add_job_parser(commands: Any) -> None:
         p.add_argument("--server", default="127.0.0.1:7070", help="HOST:PORT")
         p.add_argument("--state-dir", type=Path, default=None, help="reads operator.token here")
         p.add_argument("--token", default=None, help="operator token")
-        p.add_argument("--tls-ca", type=Path, default=None)
+        _tls_arguments(p)
         p.set_defaults(handler=handler)
         return p
 
@@ -78,7 +78,7 @@ def add_devices_parser(commands: Any) -> None:
     listing.add_argument("--server", default="127.0.0.1:7070", help="HOST:PORT")
     listing.add_argument("--state-dir", type=Path, default=None, help="reads operator.token here")
     listing.add_argument("--token", default=None, help="operator token")
-    listing.add_argument("--tls-ca", type=Path, default=None)
+    _tls_arguments(listing)
     listing.add_argument("--task", default="", help="mark devices without this task ineligible")
     listing.add_argument(
         "--job", default="", help="mark devices this job may not select now ineligible, and why"
@@ -109,10 +109,21 @@ def _devices_list(args: argparse.Namespace) -> int:
     return asyncio.run(go())
 
 
+def _tls_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", type=Path, default=None)
+    p.add_argument(
+        "--tls-cert", type=Path, default=None,
+        help="the operator's client certificate, for a server with --tls-client-ca",
+    )  # fmt: skip
+    p.add_argument("--tls-key", type=Path, default=None, help="its private key")
+
+
 def _remote(args: argparse.Namespace) -> RemoteServer:
     from flotilla.cli.remote import RemoteServer
 
-    return RemoteServer.of(args.server, args.state_dir, args.token, args.tls_ca)
+    return RemoteServer.of(
+        args.server, args.state_dir, args.token, args.tls_ca, args.tls_cert, args.tls_key
+    )
 
 
 def _job_submit(args: argparse.Namespace) -> int:

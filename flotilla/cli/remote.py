@@ -121,20 +121,36 @@ class RemoteServer:
     token: str
     tls_ca: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
+    #: The operator's client certificate and key, for a server with ``--tls-client-ca``.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     #: Where the token came from (:func:`token_origin`): named when the server refuses it.
     token_from: str = "given with --token"
 
     @classmethod
     def of(
-        cls, target: str, state_dir: Path | None, token: str | None, tls_ca: Path | None
+        cls,
+        target: str,
+        state_dir: Path | None,
+        token: str | None,
+        tls_ca: Path | None,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
     ) -> RemoteServer:
         """The server at ``target`` with the operator token from ``--token`` or
         ``--state-dir`` (as every operator command takes them)."""
         origin = token_origin(state_dir, token)
-        return cls(target, operator_token(state_dir, token), tls_ca, token_from=origin)
+        return cls(
+            target,
+            operator_token(state_dir, token),
+            tls_ca,
+            token_from=origin,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+        )
 
     async def __aenter__(self) -> RemoteServer:
-        self._channel = open_channel(self.target, self.tls_ca)
+        self._channel = open_channel(self.target, self.tls_ca, self.tls_cert, self.tls_key)
         # The generated stub module is untyped; each call below states its reply type.
         self._stub = pb_grpc.OperatorStub(self._channel)  # type: ignore[no-untyped-call]
         return self

@@ -439,4 +439,4 @@ def grpc_transport(config: AgentConfig) -> AgentTransport:
     another transport (tests, in-process) never loads grpc."""
     from flotilla.client.grpc_transport import GrpcTransport
 
-    return GrpcTransport(config.server, config.tls_ca)
+    return GrpcTransport(config.server, config.tls_ca, config.tls_cert, config.tls_key)

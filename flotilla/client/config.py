@@ -30,6 +30,10 @@ class AgentConfig:
     trainer: LocalTrainer
     state_dir: Path | None = None
     tls_ca: Path | None = None
+    #: This device's own certificate and key, for a server with mutual TLS; the
+    #: certificate's subject CN is the device id the server gives it.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     speed_test_bytes: int = 2 * 1024 * 1024
     backoff_cap_s: float = 5.0

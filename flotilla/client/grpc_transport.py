@@ -89,8 +89,10 @@ class _Connection:
     submit_update: grpc.aio.StreamUnaryMultiCallable[bytes, pb.SubmitReply]
 
     @classmethod
-    def open(cls, server: str, tls_ca: Path | None) -> _Connection:
-        channel = open_channel(server, tls_ca)
+    def open(
+        cls, server: str, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None
+    ) -> _Connection:
+        channel = open_channel(server, tls_ca, tls_cert, tls_key)
         return cls(
             channel,
             pb_grpc.AgentStub(channel),
@@ -112,15 +114,22 @@ class GrpcTransport:
     """The agent's transport to ``flotilla server``; the channel opens at the first send
     (inside the event loop that uses it) and again after :meth:`aclose`."""
 
-    def __init__(self, server: str, tls_ca: Path | None = None) -> None:
+    def __init__(
+        self,
+        server: str,
+        tls_ca: Path | None = None,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
+    ) -> None:
+        """``tls_cert``/``tls_key``: the device's own certificate, for mutual TLS."""
         self.server = server
-        self._tls_ca = tls_ca
+        self._tls = (tls_ca, tls_cert, tls_key)
         self._conn: _Connection | None = None
 
     async def send(self, request: Request[R]) -> R:
         known = closed_set(request)
         if self._conn is None:
-            self._conn = _Connection.open(self.server, self._tls_ca)
+            self._conn = _Connection.open(self.server, *self._tls)
         try:
             reply = await self._dispatch(self._conn, known)
         except grpc.aio.AioRpcError as exc:

@@ -13,6 +13,7 @@
     │   └── ForbiddenError   right credentials, but not allowed to do this (a read token)
     ├── NotFoundError        an unknown job, device or blob
     ├── Unreachable          the server is away, busy or too slow: worth trying again
+    │   └── RateLimited      this caller sent too much too fast: wait retry_after_s
     ├── TaskLoadError        a task entry point cannot be imported
     ├── ConflictError        a write that contradicts what is stored
     │   ├── RoundConflict    a round commit out of order, repeated, or on a finished job
@@ -74,6 +75,15 @@ class NotFoundError(FlotillaError, KeyError):
 class Unreachable(FlotillaError):
     """The server did not answer in time, is not running, or is too busy: a transport's
     one retryable error (connection refused or reset, deadline passed, overloaded)."""
+
+
+class RateLimited(Unreachable):
+    """The caller went over its rate limit; others are unaffected. Retry after
+    ``retry_after_s`` seconds (an HTTP 429 ``Retry-After``, a gRPC RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class TaskLoadError(FlotillaError, ImportError):

@@ -174,3 +174,19 @@ class RoundCommit:
     #: Blob of the scheduler's history of this job's devices after this round.
     scheduler_sha256: str = ""
     account: RoundAccount = field(default_factory=RoundAccount)
+
+
+@dataclass(frozen=True, slots=True)
+class EnrolTokenRecord:
+    """An enrolment token as the operator sees it: never the token, only its hash's id."""
+
+    #: The first 12 hex digits of the token's SHA-256: what ``token revoke`` takes.
+    id: str
+    created_at: float
+    #: Enrolments it still admits; None: unlimited.
+    uses_left: int | None
+    #: None: never expires.
+    expires_at: float | None
+    revoked_at: float | None
+    #: ``active``, ``expired``, ``used up`` or ``revoked``, as of the listing.
+    state: str

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flotilla.core.blobs import CHUNK_BYTES
+from flotilla.core.errors import SpecError
 from flotilla.core.events import EventSink
 from flotilla.core.records import JobRecord
 from flotilla.core.timeouts import Timeouts
@@ -24,6 +25,7 @@ from flotilla.server.federation import auth
 from flotilla.server.federation.budget import ByteBudget
 from flotilla.server.federation.facade import Federation, FederationConfig
 from flotilla.server.federation.ports import Hosted
+from flotilla.server.federation.ratelimit import RateLimits
 from flotilla.server.federation.store import Store, default_url
 from flotilla.server.grpc.edge import GrpcEdge, GrpcSettings
 from flotilla.server.hosting.rendezvous import HostedRendezvous
@@ -48,6 +50,11 @@ class ServerConfig:
     db_url: str | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    #: Mutual TLS: devices present a certificate this CA signed, naming their device id
+    #: (both edges); gRPC operators present one too. Needs ``tls_cert`` and ``tls_key``.
+    tls_client_ca: Path | None = None
+    #: Per-device polls and uploads, per-address enrolments and connections.
+    rate_limits: RateLimits = field(default_factory=RateLimits)
     timeouts: Timeouts = field(default_factory=Timeouts)
     engine: EngineConfig = field(default_factory=EngineConfig)
     #: Bytes of update buffers held at once (one update always fits): bounds server memory
@@ -70,6 +77,13 @@ class ServerConfig:
     http_port: int | None = 7071
     http_host: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.tls_client_ca is not None and not (self.tls_cert and self.tls_key):
+            raise SpecError(
+                "--tls-client-ca needs the server's own certificate: give --tls-cert and "
+                "--tls-key too (clients verify the server before it verifies them)"
+            )
+
     def federation(self) -> FederationConfig:
         return FederationConfig(
             state_dir=Path(self.state_dir),
@@ -77,6 +91,8 @@ class ServerConfig:
             engine=self.engine,
             download_slots=self.download_slots,
             download_chunk_bytes=self.download_chunk_bytes,
+            rate_limits=self.rate_limits,
+            client_certs=self.tls_client_ca is not None,
         )
 
     def grpc(self) -> GrpcSettings:
@@ -85,6 +101,8 @@ class ServerConfig:
             port=self.port,
             tls_cert=self.tls_cert,
             tls_key=self.tls_key,
+            tls_client_ca=self.tls_client_ca,
+            calls_per_address=self.rate_limits.grpc_calls_per_address,
             max_message_bytes=self.max_message_bytes,
             speed_test_max_bytes=self.speed_test_max_bytes,
             idle_s=self.timeouts.upload_idle_s,
@@ -100,6 +118,8 @@ class ServerConfig:
             port=self.http_port,
             tls_cert=self.tls_cert,
             tls_key=self.tls_key,
+            tls_client_ca=self.tls_client_ca,
+            connections_per_address=self.rate_limits.http_connections_per_address,
             stop_grace_s=self.timeouts.server_stop_s,
             device=DeviceSettings(Path(self.state_dir) / "device-uploads", self.timeouts),
         )

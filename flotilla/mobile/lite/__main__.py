@@ -1,7 +1,8 @@
 """``flotilla-lite`` (``python -m flotilla.mobile.lite``): the torch-free reference client.
 
     flotilla-lite --server http://HOST:PORT --token T --data SHARD.npz
-                  [--state-dir D] [--conditions FILE] [--tls-ca F] [--program DIR]
+                  [--state-dir D] [--conditions FILE] [--tls-ca F]
+                  [--tls-cert F --tls-key F] [--program DIR]
 
 ``--program DIR`` trains through the ExecuTorch program ``flotilla job export`` wrote in DIR
 instead of the NumPy MLP; only that option imports ExecuTorch (the ``mobile-export`` extra).
@@ -57,6 +58,9 @@ class LiteOptions:
     max_rounds: int | None = None
     #: How rounds are trained: None for the NumPy MLP, or the ``--program`` it loaded.
     training: LocalTraining | None = None
+    #: This device's own certificate and key, for a server with mutual TLS.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON {charging, battery, network, idle[, thermal]}, re-read at every poll",
     )  # fmt: skip
     parser.add_argument("--tls-ca", type=Path, default=None, metavar="F", help="CA for https")
+    parser.add_argument(
+        "--tls-cert", type=Path, default=None, metavar="F",
+        help="this device's certificate, for a server with --tls-client-ca (CN: device id)",
+    )  # fmt: skip
+    parser.add_argument("--tls-key", type=Path, default=None, metavar="F", help="its key")
     parser.add_argument(
         "--device-class", default="", metavar="C",
         help="what this device is (phone, sbc, laptop...): jobs may select by class",
@@ -107,6 +116,13 @@ def check_options(args: argparse.Namespace) -> LiteOptions:
             raise SpecError("--tls-ca is for an https:// server")
         if not args.tls_ca.is_file():
             raise SpecError(f"--tls-ca: no such file {args.tls_ca}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SpecError("--tls-cert and --tls-key go together")
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None and not server.startswith("https://"):
+            raise SpecError(f"{flag} is for an https:// server")
+        if path is not None and not path.is_file():
+            raise SpecError(f"{flag}: no such file {path}")
     data = read_shard(args.data)
     LiteTrainer(data)  # the digits task's checks: 64 pixels in [0, 1], labels 0..9
     conditions = LiteConditions(args.conditions)
@@ -118,7 +134,7 @@ def check_options(args: argparse.Namespace) -> LiteOptions:
     training = None if args.program is None else _program(args.program, data)
     return LiteOptions(
         server, args.token, args.data, data, args.state_dir, conditions, args.tls_ca,
-        args.device_class, args.max_rounds, training,
+        args.device_class, args.max_rounds, training, args.tls_cert, args.tls_key,
     )  # fmt: skip
 
 
@@ -156,7 +172,12 @@ def run(options: LiteOptions) -> int:
         state_dir = options.state_dir or Path(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="flotilla-lite-"))
         )
-        http = HttpDevice(options.server, tls_ca=options.tls_ca)
+        http = HttpDevice(
+            options.server,
+            tls_ca=options.tls_ca,
+            tls_cert=options.tls_cert,
+            tls_key=options.tls_key,
+        )
         device = LiteDevice(
             http,
             LiteState(state_dir, options.server),

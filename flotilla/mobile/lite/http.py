@@ -32,6 +32,7 @@ from flotilla.core.errors import (
     ForbiddenError,
     IntegrityError,
     NotFoundError,
+    RateLimited,
     StaleRoundError,
     Unreachable,
     UpdateRejected,
@@ -85,6 +86,8 @@ class UploadReceipt:
 class _Answer:
     status: int
     body: Any
+    #: A refusal's ``Retry-After`` seconds, if it gave one.
+    retry_after_s: float | None = None
 
 
 #: Refusals by status (docs/protocol.md, "Errors"); 422 ``integrity`` is IntegrityError.
@@ -95,16 +98,26 @@ _ERRORS: Mapping[int, type[FlotillaError]] = {
 }  # fmt: skip
 
 
-def error_for(status: int, body: Any) -> FlotillaError:
-    """The core error a refusal stands for."""
+def error_for(status: int, body: Any, retry_after_s: float | None = None) -> FlotillaError:
+    """The core error a refusal stands for (429: RateLimited, to wait ``Retry-After``)."""
     error = body.get("error") if isinstance(body, dict) else None
     error = error if isinstance(error, dict) else {}
     code, message = str(error.get("code", "")), str(error.get("message", "") or "refused")
     text = f"{message} (HTTP {status} {code})"
     if code == "integrity":
         return IntegrityError(text)
+    if status == 429:
+        return RateLimited(text, retry_after_s=retry_after_s or 1.0)
     default = WireError if 400 <= status < 500 else FlotillaError
     return _ERRORS.get(status, default)(text)
+
+
+def _seconds(header: str | None) -> float | None:
+    """A ``Retry-After`` of whole seconds (an HTTP date reads as unknown)."""
+    try:
+        return max(0.0, float(header)) if header else None
+    except ValueError:
+        return None
 
 
 class HttpDevice:
@@ -118,11 +131,14 @@ class HttpDevice:
         timeouts: Timeouts | None = None,
         tls_ca: Path | None = None,
         retries: int = 8,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
         rng: random.Random | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """``server``: ``http://HOST:PORT`` or ``https://...`` (``tls_ca``: the CA file to
-        trust); ``retries``: broken connections survived per transfer or call."""
+        trust; ``tls_cert``/``tls_key``: this device's own certificate, for a server with
+        mutual TLS); ``retries``: broken connections survived per transfer or call."""
         url = urllib.parse.urlsplit(server)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise WireError(f"server must be http://HOST:PORT or https://HOST:PORT, got {server!r}")
@@ -130,6 +146,8 @@ class HttpDevice:
         self._host = url.hostname
         self._port = url.port or (443 if url.scheme == "https" else 80)
         self._tls = ssl.create_default_context(cafile=str(tls_ca) if tls_ca else None)
+        if tls_cert is not None:
+            self._tls.load_cert_chain(tls_cert, tls_key)
         self.credential = credential
         self.timeouts = timeouts or Timeouts()
         self._retries = retries
@@ -174,14 +192,16 @@ class HttpDevice:
             conn.request(method, PREFIX + path, body=data, headers=self._headers(extra))
             response = conn.getresponse()
             raw = response.read()
-            answer = _Answer(response.status, _json(raw))
+            answer = _Answer(
+                response.status, _json(raw), _seconds(response.getheader("Retry-After"))
+            )
         except (OSError, http.client.HTTPException) as exc:
             self.broken_calls += 1
             raise Unreachable(f"{method} {PREFIX}{path}: {type(exc).__name__}: {exc}") from exc
         finally:
             conn.close()
         if answer.status >= 400:
-            raise error_for(answer.status, answer.body)
+            raise error_for(answer.status, answer.body, answer.retry_after_s)
         return answer
 
     def _retrying(self, what: Callable[[], _Answer]) -> _Answer:
@@ -189,6 +209,10 @@ class HttpDevice:
         for attempt in range(self._retries + 1):
             try:
                 return what()
+            except RateLimited as exc:  # the server said how long: no sooner
+                if attempt == self._retries:
+                    raise
+                self._sleep(min(60.0, exc.retry_after_s) * (1.0 + 0.2 * self._rng.random()))
             except Unreachable:
                 if attempt == self._retries:
                     raise

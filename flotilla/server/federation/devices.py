@@ -18,7 +18,7 @@ from flotilla.core.records import DeviceRecord
 from flotilla.core.work import DeviceCredential
 from flotilla.scheduling import DevicePool, DeviceView
 from flotilla.server.federation import auth
-from flotilla.server.federation.store import Store
+from flotilla.server.federation.store import Store, token_refusal
 from flotilla.server.federation.views import DeviceInfo
 
 #: Seconds a device listing may go without reading the store's devices afresh.
@@ -73,13 +73,19 @@ class Devices:
     async def start(self) -> None:
         self.enrolled = await self._store.count_devices()
 
-    async def enrol(self, token: str, profile: DeviceProfile) -> DeviceCredential:
-        if not token or not await self._store.has_enrol_token(auth.hash_secret(token)):
-            raise AuthError("enrolment token refused")
-        _check_class(profile)
-        device_id = "dev-" + uuid.uuid4().hex[:12]
-        secret = auth.new_secret()
+    async def enrol(
+        self, token: str, profile: DeviceProfile, device_id: str | None = None
+    ) -> DeviceCredential:
+        """A new device and its credential. The token must be active (the store spends one
+        of its uses in the insert's transaction); ``device_id``: the id the device's client
+        certificate names (mutual TLS), refused when taken; None: a fresh one."""
         now = self._clock()
+        token_hash = auth.hash_secret(token) if token else ""
+        if not token or (state := await self._store.enrol_token_state(token_hash, now)) != "active":
+            raise AuthError(token_refusal("unknown" if not token else state))
+        _check_class(profile)
+        device_id = device_id or "dev-" + uuid.uuid4().hex[:12]
+        secret = auth.new_secret()
         record = DeviceRecord(
             id=device_id,
             credential_hash=auth.hash_secret(secret),
@@ -89,7 +95,7 @@ class Devices:
             last_seen_at=now,
             device_class=profile.device_class,
         )
-        await self._store.add_device(record)
+        await self._store.add_device(record, token_hash, now)
         self._known[device_id] = record
         if self._listing is not None:
             self._listing[device_id] = record

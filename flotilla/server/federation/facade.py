@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flotilla.core.access import Scope
@@ -37,7 +37,9 @@ from flotilla.server.federation.failures import FailureCounts
 from flotilla.server.federation.gateway import Gateway
 from flotilla.server.federation.identity_keys import IdentityKeys
 from flotilla.server.federation.jobs import Jobs
+from flotilla.server.federation.peercert import PeerCertificate, check_bound
 from flotilla.server.federation.ports import Hosted
+from flotilla.server.federation.ratelimit import RateLimiter, RateLimits
 from flotilla.server.federation.store import Store
 from flotilla.server.federation.uploads import Uploads
 from flotilla.server.federation.views import BlobSlice, DeviceInfo, JobDetail, VolunteerRunInfo
@@ -58,6 +60,11 @@ class FederationConfig:
     #: Model downloads streamed at once; the rest wait (each holds transport buffers).
     download_slots: int = 2
     download_chunk_bytes: int = CHUNK_BYTES
+    #: Per-device polls and uploads, per-address enrolments (``ratelimit``).
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+    #: Mutual TLS: every device call must come with a client certificate naming the
+    #: device (``peercert``); the edges verify the chain.
+    client_certs: bool = False
 
 
 class Federation:
@@ -106,6 +113,7 @@ class Federation:
         )
         self._jobs = Jobs(services, store, tasks, config.state_dir)
         self._download_slots = asyncio.Semaphore(config.download_slots)
+        self._limits = RateLimiter(config.rate_limits)
         #: Operator-API tokens seen valid, as (hash, scope): tokens are never revoked, so a
         #: request costs no query once its token has been seen.
         self._known_tokens: list[tuple[str, Scope]] = []
@@ -128,11 +136,35 @@ class Federation:
 
     # --- callers -------------------------------------------------------------------------
 
-    async def enrol(self, token: str, profile: DeviceProfile) -> DeviceCredential:
-        return await self._devices.enrol(token, profile)
+    async def enrol(
+        self,
+        token: str,
+        profile: DeviceProfile,
+        *,
+        cert: PeerCertificate | None = None,
+        address: str = "",
+    ) -> DeviceCredential:
+        """A new device. ``cert``: its verified client certificate, whose name becomes the
+        device id (mutual TLS); ``address``: where the call came from, whose enrolments
+        are rate limited."""
+        if address:
+            self._limits.take("enrol", address)
+        if cert is None and self._config.client_certs:
+            check_bound(None, "", required=True)
+        device_id = cert.device_id() if cert is not None else None
+        return await self._devices.enrol(token, profile, device_id)
 
-    async def authenticate_device(self, device_id: str | None, secret: str | None) -> DeviceRecord:
+    async def authenticate_device(
+        self, device_id: str | None, secret: str | None, cert: PeerCertificate | None = None
+    ) -> DeviceRecord:
+        """The device the credential names; with mutual TLS, only with its own certificate."""
+        if self._config.client_certs:
+            check_bound(cert, device_id or "", required=True)
         return await self._devices.authenticate(device_id, secret)
+
+    @property
+    def rate_limits(self) -> RateLimits:
+        return self._config.rate_limits
 
     async def authenticate_operator(self, token: str | None) -> None:
         if not token or not await self._store.has_operator_token(auth.hash_secret(token)):
@@ -173,7 +205,8 @@ class Federation:
         """The device's next task, waited for a while; None when there is none yet.
         ``conditions`` (battery, power, network; None: as it last said) decide which jobs
         may select it, and give up a round it was offered that its job's
-        ``[eligibility]`` no longer admits."""
+        ``[eligibility]`` no longer admits. A device over its poll rate is RateLimited."""
+        self._limits.take("poll", device.id)
         if p2p_peer_id:
             self._hosted.rendezvous.peer_seen(device.id, p2p_peer_id)
         await self._devices.seen(device, profile)
@@ -231,6 +264,8 @@ class Federation:
             self._events.emit(BytesSent(job_id, sent))
 
     async def reserve_upload(self, device: DeviceRecord, ref: RoundRef, size: int) -> Reservation:
+        """Room for an update; a device over its upload rate is RateLimited."""
+        self._limits.take("upload", device.id)
         return await self._uploads.reserve(device.id, ref, size)
 
     async def submit_update(

@@ -35,6 +35,7 @@ from flotilla.core.commit_rules import (
     state_after,
 )
 from flotilla.core.errors import (
+    AuthError,
     ConflictError,
     JobStateError,
     NotFoundError,
@@ -43,6 +44,7 @@ from flotilla.core.errors import (
 from flotilla.core.records import (
     RESUMABLE_STATES,
     DeviceRecord,
+    EnrolTokenRecord,
     JobRecord,
     ParticipationRecord,
     RoundAccount,
@@ -69,7 +71,12 @@ __all__ = [
     "Store",
     "async_url",
     "default_url",
+    "token_refusal",
+    "token_state",
 ]
+
+#: Hex digits of a token's SHA-256 that name it in listings and revocations.
+TOKEN_ID_HEX = 12
 
 # Execution option read by the SQLite "begin" hook: write transactions take the write lock
 # up front so two writers queue instead of failing on a stale snapshot.
@@ -125,6 +132,27 @@ def _on_sqlite_begin(conn: Connection) -> None:
 def _floats(value: Mapping[str, float]) -> dict[str, float]:
     """A fresh ``{str: float}`` for a JSON column: metrics may hold numpy scalars."""
     return {str(k): float(v) for k, v in value.items()}
+
+
+def token_state(row: EnrolTokenRow | None, now: float) -> str:
+    """``active``, ``revoked``, ``expired``, ``used up`` or ``unknown`` (no such token)."""
+    if row is None:
+        return "unknown"
+    if row.revoked_at is not None:
+        return "revoked"
+    if row.expires_at is not None and row.expires_at <= now:
+        return "expired"
+    if row.uses_left is not None and row.uses_left <= 0:
+        return "used up"
+    return "active"
+
+
+def token_refusal(state: str) -> str:
+    """Why an enrolment was refused: the state of a token the caller holds, and nothing
+    about tokens it does not (an unknown token is just refused)."""
+    if state in ("revoked", "expired", "used up"):
+        return f"enrolment token refused: {state}"
+    return "enrolment token refused"
 
 
 def _device_record(row: DeviceRow) -> DeviceRecord:
@@ -248,15 +276,82 @@ class Store:
 
     # -- tokens ----------------------------------------------------------------------------
 
-    async def add_enrol_token(self, token_hash: str) -> None:
+    async def add_enrol_token(
+        self, token_hash: str, uses: int | None = None, expires_at: float | None = None
+    ) -> str:
+        """Store an enrolment token's hash, admitting ``uses`` enrolments (None: unlimited)
+        until ``expires_at`` (None: never); returns its id (the hash's first hex digits)."""
+        if uses is not None and uses < 1:
+            raise ValueError(f"a token admits at least 1 enrolment, got {uses}")
         async with self._write.begin() as s:
             await s.execute(
-                self._insert_ignore(EnrolTokenRow, token_hash=token_hash, created_at=time.time())
+                self._insert_ignore(
+                    EnrolTokenRow,
+                    token_hash=token_hash,
+                    created_at=time.time(),
+                    uses_left=uses,
+                    expires_at=expires_at,
+                )
             )
+        return token_hash[:TOKEN_ID_HEX]
 
     async def has_enrol_token(self, token_hash: str) -> bool:
         async with self._read() as s:
             return await s.get(EnrolTokenRow, token_hash) is not None
+
+    async def enrol_token_state(self, token_hash: str, now: float) -> str:
+        """What :func:`token_state` says of the token now (``unknown`` for no such token)."""
+        async with self._read() as s:
+            return token_state(await s.get(EnrolTokenRow, token_hash), now)
+
+    async def list_enrol_tokens(self, now: float) -> list[EnrolTokenRecord]:
+        async with self._read() as s:
+            rows = await s.scalars(
+                select(EnrolTokenRow).order_by(EnrolTokenRow.created_at, EnrolTokenRow.token_hash)
+            )
+            return [
+                EnrolTokenRecord(
+                    id=r.token_hash[:TOKEN_ID_HEX],
+                    created_at=r.created_at,
+                    uses_left=r.uses_left,
+                    expires_at=r.expires_at,
+                    revoked_at=r.revoked_at,
+                    state=token_state(r, now),
+                )
+                for r in rows
+            ]
+
+    async def revoke_enrol_token(self, token_id: str, now: float) -> EnrolTokenRecord:
+        """Revoke the one token whose hash starts with ``token_id`` (at least
+        ``TOKEN_ID_HEX`` hex digits); revoking twice keeps the first time."""
+        token_id = token_id.strip().lower()
+        if len(token_id) < TOKEN_ID_HEX or any(c not in "0123456789abcdef" for c in token_id):
+            raise NotFoundError(
+                f"a token id is at least {TOKEN_ID_HEX} hex digits (see 'token list'), "
+                f"got {token_id!r}"
+            )
+        async with self._write.begin() as s:
+            rows = list(
+                await s.scalars(
+                    select(EnrolTokenRow)
+                    .where(EnrolTokenRow.token_hash.startswith(token_id, autoescape=True))
+                    .with_for_update()
+                )
+            )
+            if len(rows) != 1:
+                what = "no enrolment token" if not rows else "more than one token"
+                raise NotFoundError(f"{what} has the id {token_id!r}")
+            row = rows[0]
+            if row.revoked_at is None:
+                row.revoked_at = now
+            return EnrolTokenRecord(
+                row.token_hash[:TOKEN_ID_HEX],
+                row.created_at,
+                row.uses_left,
+                row.expires_at,
+                row.revoked_at,
+                token_state(row, now),
+            )
 
     async def add_operator_token(self, token_hash: str, scope: str = "operator") -> None:
         """Store a token of the operator APIs; ``scope``: ``operator`` or ``read``."""
@@ -281,8 +376,15 @@ class Store:
 
     # -- devices ---------------------------------------------------------------------------
 
-    async def add_device(self, device: DeviceRecord) -> None:
-        """Register a device; a second device with the same id is a :class:`ConflictError`."""
+    async def add_device(
+        self, device: DeviceRecord, enrol_token_hash: str | None = None, now: float = 0.0
+    ) -> None:
+        """Register a device; a second device with the same id is a :class:`ConflictError`.
+
+        With ``enrol_token_hash``, one use of that token is spent in the same transaction,
+        under a lock on its row: two devices racing for the last use cannot both enrol, and
+        a refused insert spends nothing. A token that does not admit it (:func:`token_state`
+        at ``now``) is an :class:`AuthError` naming why."""
         row = DeviceRow(
             id=device.id,
             credential_hash=device.credential_hash,
@@ -294,6 +396,13 @@ class Store:
         )
         try:
             async with self._write.begin() as s:
+                if enrol_token_hash is not None:
+                    token = await s.get(EnrolTokenRow, enrol_token_hash, with_for_update=True)
+                    state = token_state(token, now)
+                    if token is None or state != "active":
+                        raise AuthError(token_refusal(state))
+                    if token.uses_left is not None:
+                        token.uses_left -= 1
                 s.add(row)
         except IntegrityError as exc:
             raise ConflictError(f"device {device.id!r} is already enrolled") from exc

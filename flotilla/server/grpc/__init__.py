@@ -4,4 +4,5 @@
 - ``agent`` / ``operator``: the servicers, thin: protobuf in, one facade call, protobuf out.
 - ``wire``: every protobuf <-> core conversion.
 - ``status``: the one table from Flotilla's errors to status codes, applied around handlers.
+- ``limits``: :class:`CallCap`, the interceptor capping calls in flight per peer address.
 """

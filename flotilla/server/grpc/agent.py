@@ -16,6 +16,7 @@ from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto.bulk import UpdatePart
 from flotilla.server.federation.facade import Federation
 from flotilla.server.grpc import wire
+from flotilla.server.grpc.limits import peer_address
 from flotilla.server.grpc.status import Context, Refusal
 
 
@@ -30,7 +31,8 @@ class AgentServicer:
 
     async def _device(self, context: Context) -> DeviceRecord:
         device_id, secret = wire.device_credentials(context.invocation_metadata())
-        return await self._federation.authenticate_device(device_id, secret)
+        cert = wire.peer_certificate(context.auth_context())
+        return await self._federation.authenticate_device(device_id, secret, cert)
 
     async def Enrol(self, request: pb.EnrolRequest, context: Context) -> pb.EnrolReply:
         if request.protocol_version != PROTOCOL_VERSION:
@@ -40,7 +42,10 @@ class AgentServicer:
                 f"this server speaks {PROTOCOL_VERSION}",
             )
         enrolment = await self._federation.enrol(
-            request.token, wire.profile_from_pb(request.profile)
+            request.token,
+            wire.profile_from_pb(request.profile),
+            cert=wire.peer_certificate(context.auth_context()),
+            address=peer_address(context.peer()),
         )
         return pb.EnrolReply(
             device_id=enrolment.device_id,

@@ -11,6 +11,7 @@ from flotilla.core.timeouts import Timeouts
 from flotilla.proto import bulk, handlers
 from flotilla.server.federation.facade import Federation
 from flotilla.server.grpc.agent import AgentServicer
+from flotilla.server.grpc.limits import CallCap
 from flotilla.server.grpc.operator import OperatorServicer
 from flotilla.server.grpc.status import guarded
 
@@ -21,6 +22,10 @@ class GrpcSettings:
     port: int
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    #: Mutual TLS: every caller (device or operator) presents a certificate this CA signed.
+    tls_client_ca: Path | None = None
+    #: Calls one peer address may have in flight at once (``limits.CallCap``).
+    calls_per_address: int = 256
     max_message_bytes: int = 8 * 1024 * 1024
     speed_test_max_bytes: int = 16 * 1024 * 1024
     #: A stream that sends or takes nothing for this long is dropped.
@@ -33,6 +38,7 @@ class GrpcEdge:
     def __init__(self, federation: Federation, settings: GrpcSettings) -> None:
         self._settings = settings
         self._server = grpc.aio.server(
+            interceptors=[CallCap(settings.calls_per_address)],
             options=[
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
                 ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -41,7 +47,7 @@ class GrpcEdge:
                 ("grpc.keepalive_time_ms", 30_000),
                 ("grpc.keepalive_timeout_ms", 10_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-            ]
+            ],
         )
         agent = AgentServicer(federation, settings.idle_s, settings.speed_test_max_bytes)
         agent_codecs = {
@@ -57,7 +63,12 @@ class GrpcEdge:
         s = self._settings
         address = f"{s.host}:{s.port}"
         if s.tls_cert and s.tls_key:
-            creds = grpc.ssl_server_credentials([(s.tls_key.read_bytes(), s.tls_cert.read_bytes())])
+            ca = s.tls_client_ca.read_bytes() if s.tls_client_ca else None
+            creds = grpc.ssl_server_credentials(
+                [(s.tls_key.read_bytes(), s.tls_cert.read_bytes())],
+                root_certificates=ca,
+                require_client_auth=ca is not None,
+            )
             port = self._server.add_secure_port(address, creds)
         else:
             port = self._server.add_insecure_port(address)

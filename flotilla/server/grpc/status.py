@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, NoReturn
 
@@ -18,6 +19,7 @@ from flotilla.core.errors import (
     AuthError,
     FlotillaError,
     NotFoundError,
+    RateLimited,
     SpecError,
     StaleRoundError,
     UpdateRejected,
@@ -31,6 +33,7 @@ Context = grpc.aio.ServicerContext[Any, Any]
 #: is FAILED_PRECONDITION although it is an UpdateRejected).
 STATUS: Mapping[type[BaseException], grpc.StatusCode] = {
     AuthError: grpc.StatusCode.UNAUTHENTICATED,
+    RateLimited: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotFoundError: grpc.StatusCode.NOT_FOUND,
     SpecError: grpc.StatusCode.INVALID_ARGUMENT,
     WireError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -65,7 +68,11 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) ->
     code = status_of(exc)
     if code is None:
         raise exc
-    await context.abort(code, str(exc))
+    retry = getattr(exc, "retry_after_s", None)
+    if retry is None:
+        await context.abort(code, str(exc))
+    else:  # a rate limit says how long to wait, as HTTP's Retry-After
+        await context.abort(code, str(exc), (("retry-after", str(math.ceil(retry))),))
     raise AssertionError("unreachable: abort raises")
 
 

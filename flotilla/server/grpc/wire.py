@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import cast
 
 from flotilla.core.allreduce import Contribution
@@ -17,6 +17,7 @@ from flotilla.proto import flotilla_pb2 as pb
 from flotilla.proto.bulk import UpdatePart, blob_chunk
 from flotilla.proto.conditions import conditions_from_pb, conditions_to_pb
 from flotilla.server.federation import auth
+from flotilla.server.federation.peercert import PeerCertificate
 from flotilla.server.federation.views import BlobSlice, DeviceInfo, VolunteerRunInfo
 
 DEVICE_HEADER = "x-flotilla-device"
@@ -34,6 +35,18 @@ def device_credentials(metadata: object) -> tuple[str | None, str | None]:
     """(device id, secret) from a device's call metadata; None where missing."""
     md = _pairs(metadata)
     return auth.header(md, DEVICE_HEADER), auth.bearer(md)
+
+
+def peer_certificate(auth_context: Mapping[str, Iterable[bytes]]) -> PeerCertificate | None:
+    """The names of the caller's verified client certificate (gRPC's auth context after a
+    mutual TLS handshake); None without one."""
+    common = [v.decode(errors="replace") for v in auth_context.get("x509_common_name", ())]
+    alt = [
+        v.decode(errors="replace") for v in auth_context.get("x509_subject_alternative_name", ())
+    ]
+    if not common and not alt:
+        return None
+    return PeerCertificate(common[0] if common else "", tuple(alt))
 
 
 def bearer_token(metadata: object) -> str | None:

@@ -11,6 +11,7 @@ beside the gRPC edge over the same federation. It imports the transport-free cor
   heartbeat, ``Range`` model downloads, resumable uploads; docs/protocol.md), with
   ``device_wire`` (strict JSON bodies), ``device_errors`` (its error table),
   ``staging`` (partial uploads on disk) and ``byteranges`` (``Range``/``Content-Range``).
+- ``connections``: :class:`ConnectionLimit`, the cap on open connections per address.
 - ``openapi``: :func:`document`, the OpenAPI 3.1 description of every route; importing
   it loads neither aiohttp nor the database stack (the docs site renders it).
 

@@ -26,6 +26,7 @@ from flotilla.core.records import DeviceRecord
 from flotilla.core.timeouts import Timeouts
 from flotilla.engine.backend import TrainTask
 from flotilla.server.federation.facade import Federation
+from flotilla.server.federation.peercert import PeerCertificate
 from flotilla.server.federation.uploads import update_limit
 from flotilla.server.federation.views import BlobSlice
 from flotilla.server.http import device_wire as wire
@@ -72,7 +73,9 @@ class DeviceRoutes:
             raise AuthError(
                 "send 'Authorization: Bearer DEVICE_ID:CREDENTIAL' with what enrolment returned"
             )
-        return await self._federation.authenticate_device(device_id, secret)
+        return await self._federation.authenticate_device(
+            device_id, secret, peer_certificate(request)
+        )
 
     async def _json(self, request: web.Request, where: str) -> object:
         cap = self._s.max_json_bytes
@@ -97,7 +100,9 @@ class DeviceRoutes:
 
     async def enrol(self, request: web.Request) -> web.Response:
         token, profile = wire.enrol_request(await self._json(request, "enrol request"))
-        credential = await self._federation.enrol(token, profile)
+        credential = await self._federation.enrol(
+            token, profile, cert=peer_certificate(request), address=request.remote or ""
+        )
         body = {"device_id": credential.device_id, "credential": credential.secret}
         return respond(body, 201)
 
@@ -361,6 +366,18 @@ class DeviceRoutes:
 
 def build_device_app(federation: Federation, settings: DeviceSettings) -> web.Application:
     return DeviceRoutes(federation, settings, time.time).app()
+
+
+def peer_certificate(request: web.Request) -> PeerCertificate | None:
+    """The names of the client certificate TLS verified on this connection (the server's
+    ``--tls-client-ca`` signed it); None without one."""
+    transport = request.transport
+    cert = transport.get_extra_info("peercert") if transport is not None else None
+    if not cert:
+        return None
+    common = [v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
+    alt = [v for k, v in cert.get("subjectAltName", ()) if k in ("DNS", "URI")]
+    return PeerCertificate(common[0] if common else "", tuple(alt))
 
 
 def _etag_matches(header: str, etag: str) -> bool:

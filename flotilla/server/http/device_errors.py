@@ -9,6 +9,7 @@ part of the protocol (docs/protocol.md): clients match on them, never on message
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,7 @@ from flotilla.core.errors import (
     ForbiddenError,
     IntegrityError,
     NotFoundError,
+    RateLimited,
     SpecError,
     StaleRoundError,
     Unreachable,
@@ -44,6 +46,7 @@ DEVICE_ERRORS: Mapping[type[BaseException], tuple[int, str]] = {
     StaleRoundError: (410, "stale_round"),
     UpdateRejected: (422, "update_rejected"),
     ConflictError: (409, "conflict"),
+    RateLimited: (429, "rate_limited"),
     Unreachable: (503, "unavailable"),
     FlotillaError: (409, "conflict"),
 }
@@ -107,6 +110,9 @@ async def device_errors(request: web.Request, handler: RouteHandler) -> web.Stre
             raise
         code = _HTTP_CODES.get(exc.status, "bad_request" if exc.status < 500 else "internal")
         response = error_answer(exc.status, code, exc.reason)
+    except RateLimited as exc:
+        wait = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+        response = error_answer(429, "rate_limited", str(exc), wait)
     except FlotillaError as exc:
         status, code = device_status(exc) or (409, "conflict")
         response = error_answer(status, code, str(exc))

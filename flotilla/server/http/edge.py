@@ -20,6 +20,7 @@ from flotilla.dashboard.app import ReadAppConfig, build_read_app
 from flotilla.dashboard.guard import SafeAccessLogger
 from flotilla.dashboard.model import Change
 from flotilla.server.federation.facade import Federation
+from flotilla.server.http.connections import ConnectionLimit
 from flotilla.server.http.device import DeviceSettings, build_device_app
 from flotilla.server.http.feed import LiveFeed
 from flotilla.server.http.readmodel import live_read_model
@@ -34,6 +35,11 @@ class HttpSettings:
     port: int
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    #: Mutual TLS for devices: a client certificate signed by this CA is asked for;
+    #: the device protocol requires one, the operator API and dashboard do not.
+    tls_client_ca: Path | None = None
+    #: Connections one address may hold open at once (``connections``).
+    connections_per_address: int = 256
     read: ReadAppConfig = field(default_factory=ReadAppConfig)
     #: Requests in flight at stop get this long (server-sent event streams end at once).
     stop_grace_s: float = 1.0
@@ -76,6 +82,8 @@ class HttpEdge:
         model = live_read_model(federation, feed)
         self.app = build_read_app(model, FederationTokens(federation), "server", settings.read)
         ServerRoutes(federation, metrics, ready).add_to(self.app)
+        self._connections = ConnectionLimit(settings.connections_per_address)
+        self.app.middlewares.insert(0, self._connections.middleware)
         if settings.device is not None:
             self.app.add_subapp("/device/v1/", build_device_app(federation, settings.device))
         self._runner = web.AppRunner(
@@ -98,8 +106,18 @@ class HttpEdge:
         context = None
         if s.tls_cert and s.tls_key:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            if s.tls_client_ca:
+                # Only this CA vouches for devices (a default context would trust the
+                # system's too), and the handshake asks without insisting: browsers reach
+                # the dashboard without one; the device protocol refuses calls without.
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                context.minimum_version = ssl.TLSVersion.TLSv1_2
+                context.load_verify_locations(cafile=str(s.tls_client_ca))
+                context.verify_mode = ssl.CERT_OPTIONAL
             context.load_cert_chain(s.tls_cert, s.tls_key)
         await self._runner.setup()
+        assert self._runner.server is not None
+        self._connections.watch(self._runner.server)
         site = web.TCPSite(self._runner, s.host, s.port, ssl_context=context)
         try:
             await site.start()
