@@ -102,7 +102,7 @@ class InProcessTransport:
         fed = self._federation
         match r:
             case Enrol():
-                return await fed.enrol(r.token, r.profile)
+                return await fed.enrol(r.token, r.profile, r.public_key)
             case SpeedTest():
                 await self._device(r.credential)
                 return await self._count(r)

@@ -46,10 +46,12 @@ from flotilla.core.eligibility import EligibilitySection, ineligibility
 from flotilla.core.errors import (
     AuthError,
     FlotillaError,
+    ForbiddenError,
     NotFoundError,
     Unreachable,
     UpdateRejected,
 )
+from flotilla.core.identity import DeviceIdentity, digest_bytes
 from flotilla.core.measure import matmul_gflops, memory_bytes
 from flotilla.core.round_config import RoundConfig
 from flotilla.core.work import UploadHeader, WorkOrder
@@ -81,6 +83,8 @@ class Agent:
         self._transport = transport if transport is not None else grpc_transport(config)
         self._saved = CredentialFile(config.state_dir, config.server)
         self._credential: DeviceCredential | None = None
+        #: The key every upload is signed with, made at enrolment (``core.identity``).
+        self._identity: DeviceIdentity | None = None
         self._model: tuple[str, memoryview] | None = None
         self._pending_profile: DeviceProfile | None = None
         self._averager: GroupAveraging | None = None  # made at the first p2p round
@@ -109,6 +113,10 @@ class Agent:
     async def _connect(self) -> None:
         """Enrol (or reuse a saved credential) and measure the upload rate."""
         self._credential = self._saved.load()
+        self._identity = self._saved.identity()
+        if self._credential is not None and self._identity is None:
+            log.warning("enrolled before updates were signed: enrolling again with a key")
+            self._credential = None
         profile = await asyncio.to_thread(self._profile)
         self._peer_id = await asyncio.to_thread(self._p2p_identity)
         while self._credential is None:
@@ -145,11 +153,16 @@ class Agent:
         )
 
     async def _enrol(self, profile: DeviceProfile) -> DeviceCredential:
-        enrol = Enrol(self.config.token, profile, self.config.timeouts.enrol_s)
+        identity = DeviceIdentity.generate()
+        enrol = Enrol(
+            self.config.token, profile, self.config.timeouts.enrol_s, identity.public_key_hex
+        )
         try:
             credential = await self._transport.send(enrol)
         except AuthError as exc:
             raise AuthError(f"the server refused the enrolment token: {exc}") from exc
+        self._identity = identity
+        self._saved.save_identity(identity)
         self._saved.save(credential)
         log.info("enrolled as %s", credential.device_id)
         return credential
@@ -189,6 +202,10 @@ class Agent:
             if task is not None:
                 await self._work(task)
             self._backoff.reset()
+        except ForbiddenError as exc:
+            log.error("this device was revoked by the operator (%s); stopping", exc)
+            self._credential = None  # nothing to say goodbye with
+            raise
         except AuthError as exc:
             log.warning("credential refused (%s); enrolling again", exc)
             self._credential = None
@@ -386,6 +403,12 @@ class Agent:
             metrics=outcome.metrics,
             reservation=reserved.key,
         )
+        if self._identity is not None:
+            ref = task.ref
+            signed = self._identity.sign_update(
+                ref.job_id, ref.round, ref.round_token, digest_bytes(outcome.payload_sha256)
+            )
+            header = dataclasses.replace(header, nonce=signed.nonce, signature=signed.signature)
 
         async def chunks() -> AsyncIterator[memoryview]:
             for piece in iter_chunks(outcome.payload):

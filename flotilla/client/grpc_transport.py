@@ -37,6 +37,7 @@ from flotilla.client.transport import (
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import (
     AuthError,
+    ForbiddenError,
     FlotillaError,
     NotFoundError,
     StaleRoundError,
@@ -56,6 +57,8 @@ R = TypeVar("R")
 #: What each status code the server answers with means to the agent.
 _ERRORS: Mapping[grpc.StatusCode, type[FlotillaError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthError,
+    # A revoked device: final (an AuthError would have the agent enrol again).
+    grpc.StatusCode.PERMISSION_DENIED: ForbiddenError,
     # After enrolment the server's only precondition is that the round is still this one.
     grpc.StatusCode.FAILED_PRECONDITION: StaleRoundError,
     # The server answers malformed (WireError) and unacceptable (UpdateRejected) requests
@@ -139,6 +142,7 @@ class GrpcTransport:
                     protocol_version=PROTOCOL_VERSION,
                     token=r.token,
                     profile=profile_to_pb(r.profile),
+                    public_key=r.public_key,
                 )
                 got = await stub.Enrol(enrol, timeout=r.timeout_s)
                 return DeviceCredential(got.device_id, got.credential)
@@ -272,6 +276,8 @@ def header_to_pb(header: UploadHeader) -> pb.UpdateHeader:
         payload_sha256=header.payload_sha256,
         codec=header.codec,
         reservation=header.reservation,
+        nonce=header.nonce,
+        signature=header.signature,
     )
 
 

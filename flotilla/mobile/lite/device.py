@@ -15,7 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flotilla.core.device import DeviceProfile
-from flotilla.core.errors import AuthError, StaleRoundError, Unreachable, UpdateRejected, WireError
+from flotilla.core.errors import (
+    AuthError,
+    ForbiddenError,
+    StaleRoundError,
+    Unreachable,
+    UpdateRejected,
+    WireError,
+)
+from flotilla.core.identity import DeviceIdentity
 from flotilla.core.measure import matmul_gflops, memory_bytes
 from flotilla.core.work import RoundRef
 from flotilla.mobile.lite.conditions import LiteConditions, job_policy, stop_check
@@ -67,11 +75,15 @@ class LiteDevice:
     def sign_in(self, token: str) -> str:
         """The device id: the saved credential for this server, or a new enrolment
         (AuthError at once when the token is refused)."""
-        saved = self.state.credential()
-        if saved is not None:
-            self.http.credential = saved
+        saved, key = self.state.credential(), self.state.identity()
+        if saved is not None and key is not None:
+            self.http.credential, self.http.identity = saved, key
             return saved.device_id
-        credential = self.http.enrol(token, self.profile)
+        if saved is not None:
+            log.warning("enrolled before updates were signed: enrolling again with a key")
+        identity = DeviceIdentity.generate()
+        credential = self.http.enrol(token, self.profile, identity)
+        self.state.save_identity(identity)
         self.state.save_credential(credential)
         log.info("enrolled as %s", credential.device_id)
         return credential.device_id
@@ -86,6 +98,9 @@ class LiteDevice:
                 task = self.http.poll(
                     self.conditions.current(), self.profile if send_profile else None
                 )
+            except ForbiddenError:
+                log.error("this device was revoked by the operator; stopping")
+                raise
             except AuthError:
                 # The server forgot this device (a new state dir there): enrol again, once.
                 if self.state.credential() is None:

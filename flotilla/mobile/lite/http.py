@@ -37,6 +37,7 @@ from flotilla.core.errors import (
     UpdateRejected,
     WireError,
 )
+from flotilla.core.identity import DeviceIdentity
 from flotilla.core.timeouts import Timeouts
 from flotilla.core.work import DeviceCredential, RoundRef, WorkOrder
 
@@ -126,6 +127,9 @@ class HttpDevice:
         self._port = url.port or (443 if url.scheme == "https" else 80)
         self._tls = ssl.create_default_context(cafile=str(tls_ca) if tls_ca else None)
         self.credential = credential
+        #: The key uploads are signed with (``core.identity``): made at enrolment, or the
+        #: saved one set by whoever restored the credential.
+        self.identity: DeviceIdentity | None = None
         self.timeouts = timeouts or Timeouts()
         self._retries = retries
         self._rng = rng or random.Random()
@@ -195,10 +199,16 @@ class HttpDevice:
 
     # --- enrolment and work --------------------------------------------------------------
 
-    def enrol(self, token: str, profile: DeviceProfile) -> DeviceCredential:
-        """A new device id and credential (kept on this object); AuthError: token refused."""
-        body = {"protocol": PROTOCOL, "token": token, "profile": profile_json(profile)}
+    def enrol(
+        self, token: str, profile: DeviceProfile, identity: DeviceIdentity | None = None
+    ) -> DeviceCredential:
+        """A new device id and credential (kept on this object, with the key registered:
+        ``identity``, or a new one); AuthError: token refused."""
+        key = identity or DeviceIdentity.generate()
+        body = {"protocol": PROTOCOL, "token": token, "profile": profile_json(profile),
+                "public_key": key.public_key_hex}  # fmt: skip
         answer = self._call("POST", "/enrol", self.timeouts.enrol_s, body)
+        self.identity = key
         self.credential = DeviceCredential(
             _field(answer.body, "device_id", str), _field(answer.body, "credential", str)
         )
@@ -303,16 +313,22 @@ class HttpDevice:
         """Send an update and wait for the verdict. After a broken connection the server is
         asked which ranges it holds and only the rest is sent; UpdateRejected (or a
         subclass) when the round refused it."""
-        body = {
+        digest = hashlib.sha256(payload).digest()
+        body: dict[str, Any] = {
             "job_id": order.job_id,
             "round": order.round,
             "round_token": order.round_token,
             "size": len(payload),
-            "sha256": hashlib.sha256(payload).hexdigest(),
+            "sha256": digest.hex(),
             "codec": codec,
             "num_samples": num_samples,
             "metrics": dict(metrics or {}),
         }
+        if self.identity is not None:  # signed on the create call: docs/protocol.md
+            signed = self.identity.sign_update(
+                order.job_id, order.round, order.round_token, digest
+            )
+            body.update(nonce=signed.nonce.hex(), signature=signed.signature.hex())
         broken_before = self.broken_calls
         created = self._retrying(
             lambda: self._call("POST", "/uploads", self.timeouts.transfer_s, body)

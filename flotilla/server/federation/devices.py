@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping
 
 from flotilla.core.device import DeviceProfile
 from flotilla.core.eligibility import EligibilitySection, ineligibility
-from flotilla.core.errors import AuthError, WireError
+from flotilla.core.errors import AuthError, ForbiddenError, WireError
 from flotilla.core.events import DeviceChanged, EventSink, Fanout
+from flotilla.core.identity import public_key as checked_key
 from flotilla.core.records import DeviceRecord
 from flotilla.core.work import DeviceCredential
 from flotilla.scheduling import DevicePool, DeviceView
@@ -73,10 +74,17 @@ class Devices:
     async def start(self) -> None:
         self.enrolled = await self._store.count_devices()
 
-    async def enrol(self, token: str, profile: DeviceProfile) -> DeviceCredential:
+    async def enrol(
+        self, token: str, profile: DeviceProfile, public_key: str = ""
+    ) -> DeviceCredential:
+        """A new device; ``public_key`` (hex Ed25519) is the key its updates are signed
+        with. A device enrolled without one may poll and train, but its updates are
+        refused (``no_key``) until it enrols again with a key."""
         if not token or not await self._store.has_enrol_token(auth.hash_secret(token)):
             raise AuthError("enrolment token refused")
         _check_class(profile)
+        if public_key:
+            checked_key(public_key)
         device_id = "dev-" + uuid.uuid4().hex[:12]
         secret = auth.new_secret()
         now = self._clock()
@@ -88,6 +96,7 @@ class Devices:
             enrolled_at=now,
             last_seen_at=now,
             device_class=profile.device_class,
+            public_key=public_key,
         )
         await self._store.add_device(record)
         self._known[device_id] = record
@@ -107,6 +116,25 @@ class Devices:
                 self._known[device_id] = record
         if record is None or not auth.matches(secret, record.credential_hash):
             raise AuthError("device credentials refused")
+        if record.revoked_at is not None:
+            raise ForbiddenError(
+                f"device {device_id} was revoked by the operator: its credential and key no "
+                "longer work"
+            )
+        return record
+
+    def revoked(self, device_id: str) -> bool:
+        """Whether the device was revoked (as this server knows: it revokes through here)."""
+        record = self._known.get(device_id)
+        return record is not None and record.revoked_at is not None
+
+    async def revoke(self, device_id: str) -> DeviceRecord:
+        """Revoke a device now: every later call of it is refused, on every edge."""
+        record = await self._store.revoke_device(device_id, self._clock())
+        self._known[device_id] = record
+        if self._listing is not None:
+            self._listing[device_id] = record
+        self._events.emit(DeviceChanged(device_id, "revoked"))
         return record
 
     async def seen(self, device: DeviceRecord, profile: DeviceProfile | None) -> None:
@@ -162,6 +190,8 @@ class Devices:
             profile = stored_profile(record)
             excluded = _excluded_by(profile, view, running or {})
             state, reason = (view.state, view.reason) if view else ("offline", "")
+            if record.revoked_at is not None:
+                state, reason = "revoked", "revoked by the operator"
             if state == "idle" and not task and _every_job(profile, excluded, running or {}):
                 state = "ineligible"
                 reason = "; ".join(f"{job}: {why}" for job, why in sorted(excluded.items()))

@@ -23,7 +23,7 @@ from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError, WireError
 from flotilla.core.events import BytesSent, DeviceChanged, EventSink, Fanout, PollAnswered
-from flotilla.core.records import DeviceRecord, JobRecord, RoundRecord
+from flotilla.core.records import DeviceRecord, JobRecord, RefusalRecord, RoundRecord
 from flotilla.core.timeouts import Timeouts
 from flotilla.core.work import DeviceCredential, ReportVerdict, Reservation, RoundRef, UploadHeader
 from flotilla.engine import EngineConfig, EngineServices, TaskRuntime
@@ -36,6 +36,7 @@ from flotilla.server.federation.failures import FailureCounts
 from flotilla.server.federation.gateway import Gateway
 from flotilla.server.federation.jobs import Jobs
 from flotilla.server.federation.ports import Hosted
+from flotilla.server.federation.refusals import RefusalLog
 from flotilla.server.federation.store import Store
 from flotilla.server.federation.uploads import Uploads
 from flotilla.server.federation.views import BlobSlice, DeviceInfo, JobDetail, VolunteerRunInfo
@@ -73,7 +74,8 @@ class Federation:
         Prometheus metrics, the dashboard's live feed. One that raises is logged, never
         felt by the caller."""
         self._failures = FailureCounts()
-        self._events = Fanout((self._failures, *sinks))
+        self._refusals = RefusalLog(store, clock)
+        self._events = Fanout((self._failures, self._refusals, *sinks))
         self._config = config
         self._store = store
         self._blobs = BlobStore(config.state_dir / "blobs")
@@ -85,7 +87,13 @@ class Federation:
         self._hosted = hosted
         self._devices = Devices(store, self._pool, clock, self._events)
         self._uploads = Uploads(
-            self._gateway, self._pool, upload_budget, config.timeouts, clock, self._events
+            self._gateway,
+            self._pool,
+            upload_budget,
+            config.timeouts,
+            clock,
+            self._devices,
+            self._events,
         )
         services = EngineServices(
             backend=self._gateway,
@@ -107,11 +115,13 @@ class Federation:
     async def start(self) -> None:
         """Resume the jobs a previous run left unfinished."""
         await self._devices.start()
+        self._refusals.start()
         await self._jobs.resume()
 
     async def close(self) -> None:
         await self._jobs.stop()
         await self._arbiter.close()
+        await self._refusals.close()
 
     def reap(self) -> list[str]:
         """Drop devices silent for longer than the liveness window; their ids."""
@@ -122,8 +132,11 @@ class Federation:
 
     # --- callers -------------------------------------------------------------------------
 
-    async def enrol(self, token: str, profile: DeviceProfile) -> DeviceCredential:
-        return await self._devices.enrol(token, profile)
+    async def enrol(
+        self, token: str, profile: DeviceProfile, public_key: str = ""
+    ) -> DeviceCredential:
+        """A new device; ``public_key`` (hex Ed25519) verifies its updates' signatures."""
+        return await self._devices.enrol(token, profile, public_key)
 
     async def authenticate_device(self, device_id: str | None, secret: str | None) -> DeviceRecord:
         return await self._devices.authenticate(device_id, secret)
@@ -225,13 +238,13 @@ class Federation:
             self._events.emit(BytesSent(job_id, sent))
 
     async def reserve_upload(self, device: DeviceRecord, ref: RoundRef, size: int) -> Reservation:
-        return await self._uploads.reserve(device.id, ref, size)
+        return await self._uploads.reserve(device, ref, size)
 
     async def submit_update(
         self, device: DeviceRecord, header: UploadHeader, chunks: AsyncIterator[memoryview | bytes]
     ) -> None:
         """Returns once the round took the update; raises why it did not."""
-        await self._uploads.receive(device.id, header, chunks)
+        await self._uploads.receive(device, header, chunks)
 
     async def report_average(
         self, device: DeviceRecord, ref: RoundRef, report: Reported
@@ -257,6 +270,24 @@ class Federation:
         log.info("device %s left (%s)", device.id, reason)
 
     # --- an operator's side --------------------------------------------------------------
+
+    async def revoke_device(self, device_id: str) -> DeviceRecord:
+        """Revoke a device at once: its credential and key stop working on every edge, the
+        rounds it owes are given up (reason ``revoked``) and an update it is uploading is
+        refused. NotFoundError for an unknown device."""
+        record = await self._devices.revoke(device_id)
+        for ref in self._gateway.owed(device_id):
+            self._gateway.give_up(device_id, ref, "revoked by the operator")
+        self._gateway.leave(device_id, "revoked by the operator")
+        log.warning("device %s revoked", device_id)
+        return record
+
+    async def list_refusals(
+        self, device_id: str | None = None, job_id: str | None = None, limit: int = 1000
+    ) -> list[RefusalRecord]:
+        """Refused updates, newest first, as recorded (the last moment's are written first)."""
+        await self._refusals.flush()
+        return await self._store.list_refusals(device_id, job_id, limit)
 
     async def submit_job(self, spec_json: str) -> JobRecord:
         return await self._jobs.submit_job(spec_json)

@@ -40,7 +40,7 @@ class AgentServicer:
                 f"this server speaks {PROTOCOL_VERSION}",
             )
         enrolment = await self._federation.enrol(
-            request.token, wire.profile_from_pb(request.profile)
+            request.token, wire.profile_from_pb(request.profile), request.public_key
         )
         return pb.EnrolReply(
             device_id=enrolment.device_id,

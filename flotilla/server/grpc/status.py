@@ -17,6 +17,7 @@ import grpc
 from flotilla.core.errors import (
     AuthError,
     FlotillaError,
+    ForbiddenError,
     NotFoundError,
     SpecError,
     StaleRoundError,
@@ -31,6 +32,8 @@ Context = grpc.aio.ServicerContext[Any, Any]
 #: is FAILED_PRECONDITION although it is an UpdateRejected).
 STATUS: Mapping[type[BaseException], grpc.StatusCode] = {
     AuthError: grpc.StatusCode.UNAUTHENTICATED,
+    # A revoked device: final, unlike a refused credential (which re-enrolment mends).
+    ForbiddenError: grpc.StatusCode.PERMISSION_DENIED,
     NotFoundError: grpc.StatusCode.NOT_FOUND,
     SpecError: grpc.StatusCode.INVALID_ARGUMENT,
     WireError: grpc.StatusCode.INVALID_ARGUMENT,

@@ -15,6 +15,7 @@ from typing import Any
 from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import WireError
+from flotilla.core.identity import NONCE_BYTES, SIGNATURE_BYTES
 from flotilla.core.work import RoundRef, UploadHeader, WorkOrder
 
 #: The protocol version: in every response (header ``Flotilla-Protocol`` and the body's
@@ -78,6 +79,16 @@ class Fields:
             raise WireError(f"{self._where}: '{name}' must be 64 lowercase hex digits")
         return value
 
+    def hex_bytes(self, name: str, size: int) -> bytes:
+        """An optional field of ``size`` bytes as ``2 * size`` lowercase hex digits (b"" if
+        absent): the core says what it means for an update to lack it."""
+        value = self.text(name, required=False)
+        if not value:
+            return b""
+        if len(value) != 2 * size or not set(value) <= _SHA_CHARS:
+            raise WireError(f"{self._where}: '{name}' must be {2 * size} lowercase hex digits")
+        return bytes.fromhex(value)
+
     def obj(self, name: str, required: bool = False) -> Any:
         """A nested value, parsed by the caller; None when absent (or null)."""
         return self._get(name, required)
@@ -126,16 +137,18 @@ def profile(data: object, where: str) -> DeviceProfile:
     return made
 
 
-def enrol_request(data: object) -> tuple[str, DeviceProfile]:
-    """``(enrolment token, profile)``; a protocol this server does not speak is refused."""
+def enrol_request(data: object) -> tuple[str, DeviceProfile, str]:
+    """``(enrolment token, profile, public key)``; a protocol this server does not speak is
+    refused. The key (hex Ed25519, ``""`` if absent) is checked where it is registered."""
     f = Fields(data, "enrol request")
     version = f.integer("protocol")
     if version != PROTOCOL:
         raise WireError(f"protocol version {version} not supported; this server speaks {PROTOCOL}")
     token = f.text("token")
     made = profile(f.obj("profile", required=True), "enrol request: profile")
+    public_key = f.text("public_key", required=False)
     f.done()
-    return token, made
+    return token, made, public_key
 
 
 def conditions(value: object, where: str) -> DeviceConditions | None:
@@ -178,6 +191,8 @@ def upload_request(data: object) -> UploadHeader:
         payload_sha256=f.sha256("sha256"),
         codec=f.text("codec", required=False),
         metrics=metrics(f.obj("metrics"), "upload request: metrics"),
+        nonce=f.hex_bytes("nonce", NONCE_BYTES),
+        signature=f.hex_bytes("signature", SIGNATURE_BYTES),
     )
     f.done()
     return header
