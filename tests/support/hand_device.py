@@ -30,6 +30,7 @@ class HandDevice:
     profile: DeviceProfile
     #: The key its uploads are signed with (registered at enrolment).
     identity: DeviceIdentity
+    secret: str = ""
 
     @classmethod
     async def enrol(cls, fed: InProcessFederation) -> HandDevice:
@@ -39,7 +40,7 @@ class HandDevice:
             await fed.enrol_token(), profile, identity.public_key_hex
         )
         record = await fed.federation.authenticate_device(credential.device_id, credential.secret)
-        return cls(fed, record, profile, identity)
+        return cls(fed, record, profile, identity, credential.secret)
 
     def signed(self, header: UploadHeader) -> UploadHeader:
         """``header`` with a fresh nonce and this device's signature."""

@@ -35,6 +35,7 @@ class RefusalLog:
         self._clock = clock
         self._queue: collections.deque[RefusalRecord] = collections.deque(maxlen=max_queued)
         self._wake = asyncio.Event()
+        self._writing = asyncio.Lock()
         self._writer: asyncio.Task[None] | None = None
         #: Refusals dropped because the queue was full (logged, never silently).
         self.dropped = 0
@@ -57,18 +58,20 @@ class RefusalLog:
             self._writer = asyncio.ensure_future(self._write_forever())
 
     async def flush(self) -> None:
-        """Write whatever has queued, now (tests, and at close)."""
-        while self._queue:
-            batch = list(self._queue)
-            self._queue.clear()
-            try:
-                await self._store.add_refusals(batch)
-            except asyncio.CancelledError:
-                self._queue.extendleft(reversed(batch))  # close() writes them
-                raise
-            except Exception:  # the record is best effort; the upload was refused anyway
-                log.exception("could not record %d refused updates", len(batch))
-                return
+        """Write whatever has queued, and wait for a write under way: once this returns,
+        every refusal emitted before the call is in the store."""
+        async with self._writing:
+            while self._queue:
+                batch = list(self._queue)
+                self._queue.clear()
+                try:
+                    await self._store.add_refusals(batch)
+                except asyncio.CancelledError:
+                    self._queue.extendleft(reversed(batch))  # close() writes them
+                    raise
+                except Exception:  # best effort: the upload was refused either way
+                    log.exception("could not record %d refused updates", len(batch))
+                    return
 
     async def close(self) -> None:
         if self._writer is not None:
