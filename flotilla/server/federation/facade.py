@@ -279,6 +279,7 @@ class Federation:
         for ref in self._gateway.owed(device_id):
             self._gateway.give_up(device_id, ref, "revoked by the operator")
         self._gateway.leave(device_id, "revoked by the operator")
+        self._gateway.wake(device_id)  # a held poll ends; the device's next call is refused
         log.warning("device %s revoked", device_id)
         return record
 

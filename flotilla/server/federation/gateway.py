@@ -312,6 +312,11 @@ class Gateway:
         self.events.freed(device_id, open_round.task.order.job_id)
         open_round.announce()
 
+    def wake(self, device_id: str) -> None:
+        """End the device's held poll now (empty-handed): its next call comes at once."""
+        self._offers.pop(device_id, None)
+        self._wakeup(device_id).set()
+
     def owed(self, device_id: str) -> list[RoundRef]:
         """The open rounds still waiting for this device's update."""
         return [r.task.order.ref for r in self._rounds.values() if device_id in r.pending]
