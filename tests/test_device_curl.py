@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from flotilla.core.identity import DeviceIdentity
-
 from tests.support.device_http import small_update
 from tests.support.device_schemas import check, schema_names
 from tests.support.http_server import HttpServer, http_server, quick_toml, wait_until

@@ -325,9 +325,7 @@ class HttpDevice:
             "metrics": dict(metrics or {}),
         }
         if self.identity is not None:  # signed on the create call: docs/protocol.md
-            signed = self.identity.sign_update(
-                order.job_id, order.round, order.round_token, digest
-            )
+            signed = self.identity.sign_update(order.job_id, order.round, order.round_token, digest)
             body.update(nonce=signed.nonce.hex(), signature=signed.signature.hex())
         broken_before = self.broken_calls
         created = self._retrying(

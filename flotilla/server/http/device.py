@@ -94,9 +94,7 @@ class DeviceRoutes:
     # --- enrolment and work --------------------------------------------------------------
 
     async def enrol(self, request: web.Request) -> web.Response:
-        token, profile, public_key = wire.enrol_request(
-            await self._json(request, "enrol request")
-        )
+        token, profile, public_key = wire.enrol_request(await self._json(request, "enrol request"))
         credential = await self._federation.enrol(token, profile, public_key)
         body = {"device_id": credential.device_id, "credential": credential.secret}
         return respond(body, 201)
