@@ -37,8 +37,8 @@ from flotilla.client.transport import (
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import (
     AuthError,
-    ForbiddenError,
     FlotillaError,
+    ForbiddenError,
     NotFoundError,
     StaleRoundError,
     Unreachable,
