@@ -103,7 +103,7 @@ class InProcessTransport:
         fed = self._federation
         match r:
             case Enrol():
-                return await fed.enrol(r.token, r.profile)
+                return await fed.enrol(r.token, r.profile, r.public_key)
             case SpeedTest():
                 await self._device(r.credential)
                 return await self._count(r)
@@ -142,7 +142,7 @@ class InProcessTransport:
                 return await fed.report_average(device, r.ref, report)
             case SecAggMessage():
                 device = await self._device(r.credential)
-                return await fed.secagg(device, r.ref, r.stage, r.body, r.identity_key)
+                return await fed.secagg(device, r.ref, r.stage, r.body)
             case Leave():
                 fed.leave(await self._device(r.credential), r.reason)
                 return None

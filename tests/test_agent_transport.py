@@ -55,6 +55,7 @@ from flotilla.core.errors import (
     Unreachable,
     UpdateRejected,
 )
+from flotilla.core.identity import KEY_FILE, DeviceIdentity
 from flotilla.core.timeouts import Timeouts
 from flotilla.core.work import ReportVerdict, Reservation, WorkOrder
 
@@ -493,6 +494,7 @@ async def test_a_saved_credential_for_this_server_is_used_without_enrolling(
 ) -> None:
     record = {"server": "mock:0", "device_id": "device-9", "secret": "saved"}
     (tmp_path / CREDENTIAL_FILE).write_text(json.dumps(record))
+    DeviceIdentity.generate().save(tmp_path / KEY_FILE)  # the key it enrolled with
     server = FakeServer(orders=[order()])
     agent, _, _ = make_agent(server, state_dir=tmp_path)
     await run_until(agent, server.drained)

@@ -155,7 +155,9 @@ def _agent_calls(live: LiveServer, t: Target) -> dict[str, Callable[[Any], Any]]
     }
 
 
-def _operator_calls(live: LiveServer, job_id: str) -> dict[str, Callable[[Any], Any]]:
+def _operator_calls(
+    live: LiveServer, job_id: str, victim_id: str = "dev-nope"
+) -> dict[str, Callable[[Any], Any]]:
     o = live.operator
     spec = JobSpec.load(SPEC, [*QUICK_JOB, "job.name=intruder"]).to_json()
     return {
@@ -173,6 +175,12 @@ def _operator_calls(live: LiveServer, job_id: str) -> dict[str, Callable[[Any], 
         "ListDevices": lambda md: o.ListDevices(pb.ListDevicesRequest(), metadata=md, timeout=10),
         "ListVolunteerRuns": lambda md: o.ListVolunteerRuns(
             pb.ListVolunteerRunsRequest(), metadata=md, timeout=10
+        ),
+        "RevokeDevice": lambda md: o.RevokeDevice(
+            pb.RevokeDeviceRequest(device_id=victim_id), metadata=md, timeout=10
+        ),
+        "ListRefusals": lambda md: o.ListRefusals(
+            pb.ListRefusalsRequest(), metadata=md, timeout=10
         ),
     }
 
@@ -215,7 +223,7 @@ async def test_bad_credentials_are_refused_on_every_rpc_and_leave_no_trace(
         "enrol-token": (("authorization", f"Bearer {enrol_token}"),),
         "device-credential": (("authorization", f"Bearer {victim.credential}"),),
     }
-    for rpc, call in _operator_calls(live, job_id).items():
+    for rpc, call in _operator_calls(live, job_id, victim.device_id).items():
         for variant, md in operator_md.items():
             try:
                 await refused(call(md), UNAUTHENTICATED, "operator token")

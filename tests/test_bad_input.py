@@ -36,6 +36,7 @@ from tests.support.live_grpc import (
     live_server,
     refused,
     run_cli,
+    signed,
     small_delta,
     update_header,
     update_messages,
@@ -390,7 +391,8 @@ async def test_a_stalled_upload_holds_up_no_other_device(sqlite_live: LiveServer
     job_id = await live.submit("job.clients_per_round=2", "job.min_quorum=2")
     task, _ = await asyncio.gather(live.poll_task(slow), live.poll_task(quick))
     model = await live.fetch(slow, task)
-    stalled = Stalled(update_messages(task, encode_state(small_delta(model)), 4096), finish=True)
+    messages = update_messages(task, encode_state(small_delta(model)), 4096)
+    stalled = Stalled([signed(m, slow.identity) for m in messages], finish=True)
     slow_call = asyncio.ensure_future(
         live.stream_call(live.sync_agent.SubmitUpdate, stalled, slow.md)
     )
@@ -416,7 +418,8 @@ async def test_a_device_uploads_one_update_at_a_time(sqlite_live: LiveServer) ->
     task = await live.poll_task(device)
     model = await live.fetch(device, task)
     payload = encode_state(small_delta(model))
-    stalled = Stalled(update_messages(task, payload, 4096), finish=False)
+    messages = [signed(m, device.identity) for m in update_messages(task, payload, 4096)]
+    stalled = Stalled(messages, finish=False)
     first = asyncio.ensure_future(
         live.stream_call(live.sync_agent.SubmitUpdate, stalled, device.md)
     )
@@ -442,7 +445,8 @@ async def test_a_stalled_upload_is_cut_off_once_its_round_is_over(sqlite_live: L
     task = await live.poll_task(device)
     model = await live.fetch(device, task)
     payload = encode_state(small_delta(model))
-    stalled = Stalled(update_messages(task, payload, 4096), finish=True)
+    messages = [signed(m, device.identity) for m in update_messages(task, payload, 4096)]
+    stalled = Stalled(messages, finish=True)
     started = asyncio.get_running_loop().time()
     call = live.stream_call(live.sync_agent.SubmitUpdate, stalled, device.md)
     try:

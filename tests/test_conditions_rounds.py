@@ -149,7 +149,7 @@ async def _upload(hand: HandDevice, task: TrainTask, payload: bytes, codec: str)
     header = UploadHeader(
         task.order.ref, 10, len(payload), hashlib.sha256(payload).hexdigest(), codec
     )
-    await hand.fed.federation.submit_update(hand.record, header, chunks())
+    await hand.fed.federation.submit_update(hand.record, hand.signed(header), chunks())
 
 
 async def test_each_device_gets_the_codec_its_uplink_earns_and_must_use_it(

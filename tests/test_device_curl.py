@@ -10,12 +10,13 @@ import hashlib
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from flotilla.core.identity import DeviceIdentity
 from tests.support.device_http import small_update
 from tests.support.device_schemas import check, schema_names
 from tests.support.http_server import HttpServer, http_server, quick_toml, wait_until
@@ -43,6 +44,9 @@ class Curl:
     base: str
     work: Path
     auth: str = ""
+    #: The device's key: curl carries its signatures, it cannot make them (nor can a
+    #: shell without a binary-safe printf); docs/identity.md shows the statement.
+    identity: DeviceIdentity = field(default_factory=DeviceIdentity.generate)
 
     async def run(self, *args: str, out: Path | None = None) -> Answer:
         head, body = self.work / "headers.txt", out or self.work / "body.json"
@@ -104,6 +108,10 @@ async def _upload(curl: Curl, task: dict[str, Any], update: bytes) -> None:
         "size": len(update), "sha256": hashlib.sha256(update).hexdigest(),
         "codec": "", "num_samples": 9, "metrics": {"loss": 0.5},
     }  # fmt: skip
+    signed = curl.identity.sign_update(
+        task["job_id"], task["round"], task["round_token"], hashlib.sha256(update).digest()
+    )
+    ask.update(nonce=signed.nonce.hex(), signature=signed.signature.hex())
     made = await curl.json("POST", "/uploads", "upload-request", ask, "upload-response")
     assert made["missing"] == [[0, len(update) - 1]]
     path = f"/uploads/{made['upload_id']}"
@@ -134,6 +142,7 @@ async def test_curl_alone_takes_part_in_a_round_by_following_the_protocol(
             "protocol": 1,
             "token": await s.fleet.enrol_token(),
             "profile": {"tasks": [DIGITS]},
+            "public_key": curl.identity.public_key_hex,
         }
         made = await curl.json("POST", "/enrol", "enrol-request", enrol, "enrol-response")
         curl.auth = f"{made['device_id']}:{made['credential']}"

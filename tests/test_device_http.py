@@ -66,6 +66,7 @@ async def test_an_upload_cut_at_five_random_offsets_resumes_and_commits_once(
         cuts = sorted(random.Random(15).sample(range(300, len(update)), 5))
         async with cut_proxy(s.server.http_port or 0, cut_up=cuts) as proxy:
             flaky = HttpDevice(f"http://127.0.0.1:{proxy.port}", direct.credential, DEVICE_TIMEOUTS)
+            flaky.identity = direct.identity
             sent = await off_loop(flaky.upload, task.order, update, 5, chunk_bytes=CHUNK)
         assert proxy.cuts_done == 5 and sent.accepted and sent.broken_calls == 5, (proxy, sent)
         # Each break costs at most the chunk it cut: resumed from the last one acknowledged.
@@ -92,6 +93,7 @@ async def test_a_download_cut_midway_resumes_with_range_and_the_sha256_matches(
         size = task.order.model_size
         async with cut_proxy(s.server.http_port or 0, cut_down=[size // 2, size]) as proxy:
             flaky = HttpDevice(f"http://127.0.0.1:{proxy.port}", direct.credential, DEVICE_TIMEOUTS)
+            flaky.identity = direct.identity
             got = await off_loop(flaky.download_model, task.order, tmp_path / "model.st")
         assert proxy.cuts_done == 2 and len(got.resumed_at) == 2, (proxy, got)
         assert 0 < got.resumed_at[0] < got.resumed_at[1] < size

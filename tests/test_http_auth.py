@@ -15,6 +15,7 @@ from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError
 from flotilla.server.federation import auth
 from flotilla.server.http.openapi import OPERATIONS, Operation
+from tests.support.hand_device import HandDevice
 from tests.support.http_server import HttpServer, http_server, quick_toml
 from tests.support.inproc import DIGITS
 from tests.support.live_grpc import run_cli
@@ -22,9 +23,11 @@ from tests.support.live_grpc import run_cli
 pytestmark = pytest.mark.timeout(120)
 
 
-async def _call(s: HttpServer, op: Operation, token: str | None, job_id: str) -> int:
+async def _call(
+    s: HttpServer, op: Operation, token: str | None, job_id: str, device_id: str = ""
+) -> int:
     """The status of one call of ``op`` (a server-sent event stream is closed at once)."""
-    path = op.path.replace("{id}", job_id)
+    path = op.path.replace("{id}", device_id if "/devices/" in op.path else job_id)
     data = quick_toml(name="walked").encode() if op.body else None
     headers = s.headers(token)
     async with s.http.request(op.method, s.base + path, headers=headers, data=data) as r:
@@ -42,16 +45,17 @@ async def test_every_route_wants_the_right_token(db_url: str, tmp_path: Path) ->
         job_id = job["id"]
         enrol = await s.fleet.enrol_token()
         assert {op.scope for op in OPERATIONS} == {None, Scope.READ, Scope.OPERATOR}
+        device_id = (await HandDevice.enrol(s.fleet)).record.id
         for op in OPERATIONS:
             label = f"{op.method.upper()} {op.path}"
             if op.scope is None:
                 assert await _call(s, op, None, job_id) == op.ok[0], label
                 continue
             for wrong in (None, "not-a-token", enrol, s.read_token + "x"):
-                assert await _call(s, op, wrong, job_id) == 401, (label, wrong)
-            read = await _call(s, op, s.read_token, job_id)
+                assert await _call(s, op, wrong, job_id, device_id) == 401, (label, wrong)
+            read = await _call(s, op, s.read_token, job_id, device_id)
             assert read == (op.ok[0] if op.scope is Scope.READ else 403), label
-            assert await _call(s, op, s.operator_token, job_id) == op.ok[0], label
+            assert await _call(s, op, s.operator_token, job_id, device_id) == op.ok[0], label
         record = await s.server.store.get_job(job_id)
         assert record is not None and record.state == "cancelled"  # the operator's cancel
         names = [j["name"] for j in (await s.get("/api/v1/jobs"))["jobs"]]

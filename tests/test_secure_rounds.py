@@ -98,7 +98,7 @@ class Parties:
                 return party
             return SecAggDevice(*args)
 
-        return {"secagg_device": make, "identity": Ed25519PrivateKey.generate()}
+        return {"secagg_device": make}
 
     def reference(self, round_no: int, survivors: list[str]) -> tuple[np.ndarray, int]:
         """The weighted sum of the survivors' quantized updates, from their inputs and

@@ -161,9 +161,3 @@ def test_the_http_edge_reads_a_secure_message_path_and_headers_strictly() -> Non
     ):
         with pytest.raises(WireError, match="(?i)" + why.split()[0]):
             wire.secagg_path(path, hdrs)
-    assert wire.identity_key_header({}) == b""
-    key = bytes(range(32))
-    assert wire.identity_key_header({wire.IDENTITY_KEY_HEADER: key.hex()}) == key
-    for bad in ("ab", "zz" * 32, key.hex().upper()):
-        with pytest.raises(WireError, match="64 lowercase hex"):
-            wire.identity_key_header({wire.IDENTITY_KEY_HEADER: bad})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,63 @@ def add_devices_parser(commands: Any) -> None:
     )
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(handler=_devices_list)
+
+    def add(name: str, help_text: str, handler: Callable[[argparse.Namespace], int]) -> Any:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--server", default="127.0.0.1:7070", help="HOST:PORT")
+        p.add_argument("--state-dir", type=Path, default=None, help="reads operator.token here")
+        p.add_argument("--token", default=None, help="operator token")
+        _tls_arguments(p)
+        p.set_defaults(handler=handler)
+        return p
+
+    revoke = add(
+        "revoke", "revoke a device now: its credential and key stop working", _devices_revoke
+    )
+    revoke.add_argument("device_id")
+    revoke.add_argument("--json", action="store_true")
+    refusals = add("refusals", "updates the server refused, newest first, and why", _refusals)
+    refusals.add_argument("--device", default="", help="only this device's")
+    refusals.add_argument("--job", default="", help="only those naming this job")
+    refusals.add_argument("--limit", type=int, default=100, help="at most this many")
+    refusals.add_argument("--json", action="store_true")
+
+
+def _devices_revoke(args: argparse.Namespace) -> int:
+    async def go() -> int:
+        async with _remote(args) as remote:
+            reply = await remote.revoke(args.device_id)
+        if args.json:
+            print(json.dumps({"device_id": reply.device_id, "revoked_at": reply.revoked_at}))
+        else:
+            print(f"revoked {reply.device_id}")
+        return 0
+
+    return asyncio.run(go())
+
+
+def _refusals(args: argparse.Namespace) -> int:
+    async def go() -> int:
+        async with _remote(args) as remote:
+            found = await remote.refusals(args.device, args.job, max(args.limit, 1))
+        rows: list[dict[str, Any]] = [
+            {"at": r.at, "device_id": r.device_id, "job_id": r.job_id, "round": r.round,
+             "reason": r.reason, "detail": r.detail}
+            for r in found
+        ]  # fmt: skip
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        print(f"{'AT (UTC)':20} {'DEVICE':18} {'JOB':18} {'ROUND':>5} {'REASON':10} DETAIL")
+        for r in rows:
+            at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["at"]))
+            print(
+                f"{at:20} {r['device_id'][:18]:18} {r['job_id'][:18]:18} {r['round']:>5} "
+                f"{r['reason']:10} {r['detail'][:80]}"
+            )
+        return 0
+
+    return asyncio.run(go())
 
 
 def _devices_list(args: argparse.Namespace) -> int:

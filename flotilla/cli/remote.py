@@ -184,6 +184,18 @@ class RemoteServer:
         reply = await self._call(self._stub.ListDevices, request)
         return list(reply.devices)
 
+    async def revoke(self, device_id: str) -> pb.RevokeDeviceReply:
+        request = pb.RevokeDeviceRequest(device_id=device_id)
+        reply: pb.RevokeDeviceReply = await self._call(self._stub.RevokeDevice, request)
+        return reply
+
+    async def refusals(
+        self, device_id: str = "", job_id: str = "", limit: int = 0
+    ) -> list[pb.RefusalInfo]:
+        request = pb.ListRefusalsRequest(device_id=device_id, job_id=job_id, limit=limit)
+        reply = await self._call(self._stub.ListRefusals, request)
+        return list(reply.refusals)
+
     async def volunteer_runs(self) -> list[pb.VolunteerRunInfo]:
         reply = await self._call(self._stub.ListVolunteerRuns, pb.ListVolunteerRunsRequest())
         return list(reply.runs)

@@ -19,8 +19,6 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 from flotilla.client.backoff import Backoff
 from flotilla.client.config import AgentConfig, rebuild_model
 from flotilla.client.credentials import CredentialFile
@@ -49,10 +47,12 @@ from flotilla.core.eligibility import EligibilitySection, ineligibility
 from flotilla.core.errors import (
     AuthError,
     FlotillaError,
+    ForbiddenError,
     NotFoundError,
     Unreachable,
     UpdateRejected,
 )
+from flotilla.core.identity import DeviceIdentity, digest_bytes
 from flotilla.core.measure import matmul_gflops, memory_bytes
 from flotilla.core.round_config import RoundConfig, SecurePlan
 from flotilla.core.work import UploadHeader, WorkOrder
@@ -85,15 +85,14 @@ class Agent:
         self._transport = transport if transport is not None else grpc_transport(config)
         self._saved = CredentialFile(config.state_dir, config.server)
         self._credential: DeviceCredential | None = None
+        #: The key every upload is signed with, made at enrolment (``core.identity``).
+        self._identity: DeviceIdentity | None = None
         self._model: tuple[str, memoryview] | None = None
         self._pending_profile: DeviceProfile | None = None
         self._averager: GroupAveraging | None = None  # made at the first p2p round
         self._p2p = config.p2p
         self._peer_id = ""
         self._identity_dir: tempfile.TemporaryDirectory[str] | None = None
-        #: Signs this device's secure-round messages. Until enrolment registers a key per
-        #: device (device identity), one made for this run of the agent unless given.
-        self._identity = config.identity or Ed25519PrivateKey.generate()
         self.rounds_done = 0
 
     @property
@@ -116,6 +115,10 @@ class Agent:
     async def _connect(self) -> None:
         """Enrol (or reuse a saved credential) and measure the upload rate."""
         self._credential = self._saved.load()
+        self._identity = self._saved.identity()
+        if self._credential is not None and self._identity is None:
+            log.warning("enrolled before updates were signed: enrolling again with a key")
+            self._credential = None
         profile = await asyncio.to_thread(self._profile)
         self._peer_id = await asyncio.to_thread(self._p2p_identity)
         while self._credential is None:
@@ -152,11 +155,16 @@ class Agent:
         )
 
     async def _enrol(self, profile: DeviceProfile) -> DeviceCredential:
-        enrol = Enrol(self.config.token, profile, self.config.timeouts.enrol_s)
+        identity = DeviceIdentity.generate()
+        enrol = Enrol(
+            self.config.token, profile, self.config.timeouts.enrol_s, identity.public_key_hex
+        )
         try:
             credential = await self._transport.send(enrol)
         except AuthError as exc:
             raise AuthError(f"the server refused the enrolment token: {exc}") from exc
+        self._identity = identity
+        self._saved.save_identity(identity)
         self._saved.save(credential)
         log.info("enrolled as %s", credential.device_id)
         return credential
@@ -196,6 +204,10 @@ class Agent:
             if task is not None:
                 await self._work(task)
             self._backoff.reset()
+        except ForbiddenError as exc:
+            log.error("this device was revoked by the operator (%s); stopping", exc)
+            self._credential = None  # nothing to say goodbye with
+            raise
         except AuthError as exc:
             log.warning("credential refused (%s); enrolling again", exc)
             self._credential = None
@@ -261,9 +273,9 @@ class Agent:
     async def _secure(self, task: WorkOrder, plan: SecurePlan, outcome: TrainOutcome) -> None:
         """A secure round: mask the update and answer every stage; a device that stops
         (SecAggRefused) gives the round up with the reason."""
-        assert outcome.delta is not None and self.device_id
+        assert outcome.delta is not None and self.device_id and self._identity is not None
         secure = SecureRound.start(
-            task, plan, self.device_id, self._identity, outcome.delta, outcome.num_samples,
+            task, plan, self.device_id, self._identity.key, outcome.delta, outcome.num_samples,
             self.config.secagg_device,
         )  # fmt: skip
         try:
@@ -417,6 +429,12 @@ class Agent:
             metrics=outcome.metrics,
             reservation=reserved.key,
         )
+        if self._identity is not None:
+            ref = task.ref
+            signed = self._identity.sign_update(
+                ref.job_id, ref.round, ref.round_token, digest_bytes(outcome.payload_sha256)
+            )
+            header = dataclasses.replace(header, nonce=signed.nonce, signature=signed.signature)
 
         async def chunks() -> AsyncIterator[memoryview]:
             for piece in iter_chunks(outcome.payload):

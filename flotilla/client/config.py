@@ -9,8 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 from flotilla.client.conditions import ConditionsSource
 from flotilla.client.secure import DeviceFactory
 from flotilla.client.training import LocalTrainer
@@ -49,9 +47,6 @@ class AgentConfig:
     #: What kind of device this is (``phone``, ``sbc``, ``laptop``...), for jobs'
     #: ``[eligibility] device_classes``.
     device_class: str = ""
-    #: This device's Ed25519 identity key (signs its secure-round messages); None: one
-    #: made per run of the agent, until enrolment registers a key (device identity).
-    identity: Ed25519PrivateKey | None = None
     #: Builds the device's SecAgg+ party; a seam for tests (``client.secure``).
     secagg_device: DeviceFactory = SecAggDevice
 

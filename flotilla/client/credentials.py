@@ -1,4 +1,6 @@
-"""The device credential an agent keeps in its state dir, so a restart needs no new enrolment."""
+"""The device credential and key an agent keeps in its state dir, so a restart needs no new
+enrolment: ``credential.json`` and ``device.key`` (its Ed25519 key, ``core.identity``),
+both readable by their owner only."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flotilla.core.files import write_private
+from flotilla.core.identity import KEY_FILE, DeviceIdentity
 from flotilla.core.work import DeviceCredential
 
 CREDENTIAL_FILE = "credential.json"
@@ -42,6 +45,15 @@ class CredentialFile:
         }
         write_private(self.state_dir / CREDENTIAL_FILE, json.dumps(record))
 
+    def identity(self) -> DeviceIdentity | None:
+        """The key this device enrolled with; None if none is kept (or none was made)."""
+        return None if self.state_dir is None else DeviceIdentity.load(self.state_dir / KEY_FILE)
+
+    def save_identity(self, identity: DeviceIdentity) -> None:
+        if self.state_dir is not None:
+            identity.save(self.state_dir / KEY_FILE)
+
     def forget(self) -> None:
         if self.state_dir is not None:
             (self.state_dir / CREDENTIAL_FILE).unlink(missing_ok=True)
+            (self.state_dir / KEY_FILE).unlink(missing_ok=True)

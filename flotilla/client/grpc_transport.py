@@ -39,6 +39,7 @@ from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import (
     AuthError,
     FlotillaError,
+    ForbiddenError,
     NotFoundError,
     StaleRoundError,
     Unreachable,
@@ -57,6 +58,8 @@ R = TypeVar("R")
 #: What each status code the server answers with means to the agent.
 _ERRORS: Mapping[grpc.StatusCode, type[FlotillaError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthError,
+    # A revoked device: final (an AuthError would have the agent enrol again).
+    grpc.StatusCode.PERMISSION_DENIED: ForbiddenError,
     # After enrolment the server's only precondition is that the round is still this one.
     grpc.StatusCode.FAILED_PRECONDITION: StaleRoundError,
     # The server answers malformed (WireError) and unacceptable (UpdateRejected) requests
@@ -149,6 +152,7 @@ class GrpcTransport:
                     protocol_version=PROTOCOL_VERSION,
                     token=r.token,
                     profile=profile_to_pb(r.profile),
+                    public_key=r.public_key,
                 )
                 got = await stub.Enrol(enrol, timeout=r.timeout_s)
                 return DeviceCredential(got.device_id, got.credential)
@@ -207,7 +211,7 @@ class GrpcTransport:
                 ref = r.ref
                 message = pb.SecAggRequest(
                     job_id=ref.job_id, round=ref.round, round_token=ref.round_token,
-                    stage=r.stage, body=r.body, identity_key=r.identity_key,
+                    stage=r.stage, body=r.body,
                 )  # fmt: skip
                 md = credential_metadata(r.credential)
                 reply = await stub.SecAgg(message, metadata=md, timeout=r.timeout_s)
@@ -291,6 +295,8 @@ def header_to_pb(header: UploadHeader) -> pb.UpdateHeader:
         payload_sha256=header.payload_sha256,
         codec=header.codec,
         reservation=header.reservation,
+        nonce=header.nonce,
+        signature=header.signature,
     )
 
 

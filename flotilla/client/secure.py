@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from flotilla.client.transport import AgentTransport, DeviceCredential, SecAggMessage
 from flotilla.core.flat import secure_input
@@ -35,11 +34,6 @@ DeviceFactory = Callable[
 ]
 
 
-def public_key(identity: Ed25519PrivateKey) -> bytes:
-    """The raw 32-byte public key the server checks this device's signatures with."""
-    return identity.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-
-
 @dataclass(frozen=True, slots=True)
 class SecureRound:
     """One device's secure round, ready to run."""
@@ -47,7 +41,6 @@ class SecureRound:
     order: WorkOrder
     plan: SecurePlan
     party: SecAggDevice
-    identity_key: bytes
 
     @classmethod
     def start(
@@ -64,7 +57,7 @@ class SecureRound:
         config = SecAggConfig.from_privacy(plan.privacy, len(plan.participants))
         session = Session(order.job_id, order.round, plan.participants)
         party = make(config, session, device_id, identity, vector, weight)
-        return cls(order, plan, party, public_key(identity))
+        return cls(order, plan, party)
 
     def wait_s(self, stage: Stage) -> float:
         """How long to wait for the server's reply to ``stage``."""
@@ -78,6 +71,5 @@ class SecureRound:
         message = b""
         for stage in Stage:
             body = await asyncio.to_thread(self.party.respond, stage, message)
-            key = self.identity_key if stage == Stage.ADVERTISE else b""
-            request = SecAggMessage(me, self.order.ref, int(stage), body, self.wait_s(stage), key)
+            request = SecAggMessage(me, self.order.ref, int(stage), body, self.wait_s(stage))
             message = await transport.send(request)

@@ -11,6 +11,7 @@ logic; an in-process transport maps each request to one call on the server's fac
 A transport raises only errors of ``flotilla.core.errors``, and the agent acts on them::
 
     Unreachable      the server is away, busy or too slow: back off, try again
+    ForbiddenError   the operator revoked this device: stop (enrolling again is theirs)
     AuthError        the token or credential was refused: enrol again
     UpdateRejected   the server refused this round's request (StaleRoundError: the round
                      closed): give the round up, poll again
@@ -89,6 +90,8 @@ class Enrol(Request[DeviceCredential]):
     token: str = field(repr=False)
     profile: DeviceProfile
     timeout_s: float
+    #: Hex Ed25519 key the device signs its updates with (``core.identity``).
+    public_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,8 +179,6 @@ class SecAggMessage(Request[bytes]):
     stage: int
     body: bytes = field(repr=False)
     timeout_s: float
-    #: The device's raw Ed25519 public key, with its first message of a round.
-    identity_key: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,8 @@
 - ``round_config``: :class:`RoundConfig`, the config a training task carries, parsed.
 - ``timeouts``: :class:`Timeouts`, every network and process wait in one place.
 - ``files``: private files for secrets.
+- ``identity``: :class:`DeviceIdentity` (a device's Ed25519 key) and the one signed
+  statement of an update (imported where used: it loads ``cryptography``).
 """
 
 from flotilla.core.blobs import CHUNK_BYTES, BlobAssembler, iter_chunks, sha256_hex

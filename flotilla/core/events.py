@@ -34,6 +34,15 @@ REFUSAL_REASONS: tuple[str, ...] = (
     "malformed",
     #: Well-formed, but the engine would not take it (round full, refused by the strategy).
     "refused",
+    #: Its signature does not verify with the device's registered key over this job,
+    #: round, round token, payload SHA-256 and nonce (or it carries none).
+    "signature",
+    #: Its nonce was seen before from this device in this round: a captured upload resent.
+    "replay",
+    #: Its device was revoked by the operator (before or while it uploaded).
+    "revoked",
+    #: Its device registered no public key (enrolled before keys): it must enrol again.
+    "no_key",
 )
 
 #: Why a selected device delivered nothing usable to a round (``DeviceFailed.reason``).
@@ -56,6 +65,8 @@ FAILURE_REASONS: tuple[str, ...] = (
     #: Its conditions stopped meeting the job's ``[eligibility]`` mid-round (unplugged,
     #: on a metered network, busy, low battery): a dropout, not a fault of the device.
     "conditions",
+    #: The operator revoked the device while the round owed its update.
+    "revoked",
     #: A simulated dropout, or a reason the backend gave that fits none of the above.
     "dropped",
 )
@@ -71,6 +82,7 @@ def failure_reason(text: str) -> str:
 
 
 _FAILURE_MARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("revoked", ("revoked",)),
     ("left", ("left",)),
     ("silent", ("silent",)),
     ("abandoned", ("abandon",)),
@@ -121,6 +133,9 @@ class UpdateRefused:
     job_id: str
     device_id: str
     reason: str
+    #: The round the upload named (-1: unknown), and the refusal's words, for the record.
+    round: int = -1
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +158,8 @@ class BytesSent:
 
 @dataclass(frozen=True, slots=True)
 class DeviceChanged:
-    """A device enrolled, came back, left or went silent (``state``: ``enrolled``,
-    ``online``, ``offline``)."""
+    """A device enrolled, came back, left, went silent or was revoked (``state``:
+    ``enrolled``, ``online``, ``offline``, ``revoked``)."""
 
     device_id: str
     state: str

@@ -32,6 +32,23 @@ class DeviceRecord:
     last_seen_at: float
     #: What kind of device it says it is (``DeviceProfile.device_class``); "" unset.
     device_class: str = ""
+    #: Hex Ed25519 key its updates are signed with; "" for a device enrolled before keys.
+    public_key: str = ""
+    #: When the operator revoked it (``time.time()``); None while it is trusted.
+    revoked_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RefusalRecord:
+    """An update the server refused, kept for the operator: who, for what round, and why
+    (``reason``: one of ``core.events.REFUSAL_REASONS``; ``detail``: the error's words)."""
+
+    at: float
+    device_id: str
+    job_id: str
+    round: int
+    reason: str
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)

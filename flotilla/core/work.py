@@ -73,6 +73,10 @@ class UploadHeader:
     metrics: Mapping[str, float] = field(default_factory=dict)
     #: A key from a reservation, or ``""`` to wait for room with the upload under way.
     reservation: str = ""
+    #: ``core.identity``: 16 fresh random bytes, and the device's Ed25519 signature of the
+    #: statement over job, round, round token, payload SHA-256 and this nonce.
+    nonce: bytes = field(default=b"", repr=False)
+    signature: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,14 +35,16 @@ class DeviceConditions(_message.Message):
     def __init__(self, charging: _Optional[bool] = ..., battery: _Optional[float] = ..., network: _Optional[str] = ..., idle: _Optional[bool] = ..., thermal: _Optional[str] = ...) -> None: ...
 
 class EnrolRequest(_message.Message):
-    __slots__ = ("protocol_version", "token", "profile")
+    __slots__ = ("protocol_version", "token", "profile", "public_key")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     token: str
     profile: DeviceProfile
-    def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ...) -> None: ...
+    public_key: str
+    def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., public_key: _Optional[str] = ...) -> None: ...
 
 class EnrolReply(_message.Message):
     __slots__ = ("device_id", "credential", "protocol_version")
@@ -149,7 +151,7 @@ class BlobChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ..., total_size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("job_id", "round", "round_token", "num_samples", "metrics", "payload_size", "payload_sha256", "codec", "reservation")
+    __slots__ = ("job_id", "round", "round_token", "num_samples", "metrics", "payload_size", "payload_sha256", "codec", "reservation", "nonce", "signature")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +168,8 @@ class UpdateHeader(_message.Message):
     PAYLOAD_SHA256_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     round_token: str
@@ -175,7 +179,9 @@ class UpdateHeader(_message.Message):
     payload_sha256: str
     codec: str
     reservation: str
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., payload_size: _Optional[int] = ..., payload_sha256: _Optional[str] = ..., codec: _Optional[str] = ..., reservation: _Optional[str] = ...) -> None: ...
+    nonce: bytes
+    signature: bytes
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., payload_size: _Optional[int] = ..., payload_sha256: _Optional[str] = ..., codec: _Optional[str] = ..., reservation: _Optional[str] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ReserveUploadRequest(_message.Message):
     __slots__ = ("job_id", "round", "round_token", "payload_size")
@@ -230,20 +236,18 @@ class GiveUpReply(_message.Message):
     def __init__(self) -> None: ...
 
 class SecAggRequest(_message.Message):
-    __slots__ = ("job_id", "round", "round_token", "stage", "body", "identity_key")
+    __slots__ = ("job_id", "round", "round_token", "stage", "body")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     BODY_FIELD_NUMBER: _ClassVar[int]
-    IDENTITY_KEY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     round_token: str
     stage: int
     body: bytes
-    identity_key: bytes
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., stage: _Optional[int] = ..., body: _Optional[bytes] = ..., identity_key: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., round_token: _Optional[str] = ..., stage: _Optional[int] = ..., body: _Optional[bytes] = ...) -> None: ...
 
 class SecAggReply(_message.Message):
     __slots__ = ("body",)
@@ -463,6 +467,52 @@ class ListDevicesReply(_message.Message):
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     def __init__(self, devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
+
+class RevokeDeviceRequest(_message.Message):
+    __slots__ = ("device_id",)
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    def __init__(self, device_id: _Optional[str] = ...) -> None: ...
+
+class RevokeDeviceReply(_message.Message):
+    __slots__ = ("device_id", "revoked_at")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    revoked_at: float
+    def __init__(self, device_id: _Optional[str] = ..., revoked_at: _Optional[float] = ...) -> None: ...
+
+class ListRefusalsRequest(_message.Message):
+    __slots__ = ("device_id", "job_id", "limit")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    job_id: str
+    limit: int
+    def __init__(self, device_id: _Optional[str] = ..., job_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class RefusalInfo(_message.Message):
+    __slots__ = ("at", "device_id", "job_id", "round", "reason", "detail")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    at: float
+    device_id: str
+    job_id: str
+    round: int
+    reason: str
+    detail: str
+    def __init__(self, at: _Optional[float] = ..., device_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ListRefusalsReply(_message.Message):
+    __slots__ = ("refusals",)
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    refusals: _containers.RepeatedCompositeFieldContainer[RefusalInfo]
+    def __init__(self, refusals: _Optional[_Iterable[_Union[RefusalInfo, _Mapping]]] = ...) -> None: ...
 
 class ListVolunteerRunsRequest(_message.Message):
     __slots__ = ()

@@ -585,6 +585,16 @@ class OperatorStub:
                 request_serializer=flotilla_dot_proto_dot_flotilla__pb2.ListVolunteerRunsRequest.SerializeToString,
                 response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.ListVolunteerRunsReply.FromString,
                 _registered_method=True)
+        self.RevokeDevice = channel.unary_unary(
+                '/flotilla.v1.Operator/RevokeDevice',
+                request_serializer=flotilla_dot_proto_dot_flotilla__pb2.RevokeDeviceRequest.SerializeToString,
+                response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.RevokeDeviceReply.FromString,
+                _registered_method=True)
+        self.ListRefusals = channel.unary_unary(
+                '/flotilla.v1.Operator/ListRefusals',
+                request_serializer=flotilla_dot_proto_dot_flotilla__pb2.ListRefusalsRequest.SerializeToString,
+                response_deserializer=flotilla_dot_proto_dot_flotilla__pb2.ListRefusalsReply.FromString,
+                _registered_method=True)
 
 
 class OperatorServicer:
@@ -634,6 +644,20 @@ class OperatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RevokeDevice(self, request, context):
+        """Revoke a device at once: its credential and key stop working, its rounds are given up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRefusals(self, request, context):
+        """Updates the server refused, newest first, with the reason (docs/identity.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OperatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -671,6 +695,16 @@ def add_OperatorServicer_to_server(servicer, server):
                     servicer.ListVolunteerRuns,
                     request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.ListVolunteerRunsRequest.FromString,
                     response_serializer=flotilla_dot_proto_dot_flotilla__pb2.ListVolunteerRunsReply.SerializeToString,
+            ),
+            'RevokeDevice': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeDevice,
+                    request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.RevokeDeviceRequest.FromString,
+                    response_serializer=flotilla_dot_proto_dot_flotilla__pb2.RevokeDeviceReply.SerializeToString,
+            ),
+            'ListRefusals': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRefusals,
+                    request_deserializer=flotilla_dot_proto_dot_flotilla__pb2.ListRefusalsRequest.FromString,
+                    response_serializer=flotilla_dot_proto_dot_flotilla__pb2.ListRefusalsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -862,6 +896,60 @@ class Operator:
             '/flotilla.v1.Operator/ListVolunteerRuns',
             flotilla_dot_proto_dot_flotilla__pb2.ListVolunteerRunsRequest.SerializeToString,
             flotilla_dot_proto_dot_flotilla__pb2.ListVolunteerRunsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeDevice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flotilla.v1.Operator/RevokeDevice',
+            flotilla_dot_proto_dot_flotilla__pb2.RevokeDeviceRequest.SerializeToString,
+            flotilla_dot_proto_dot_flotilla__pb2.RevokeDeviceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRefusals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flotilla.v1.Operator/ListRefusals',
+            flotilla_dot_proto_dot_flotilla__pb2.ListRefusalsRequest.SerializeToString,
+            flotilla_dot_proto_dot_flotilla__pb2.ListRefusalsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,6 +4,7 @@ gRPC and in-process edges make), to send what a broken, late or departing client
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flotilla.core.device import DeviceProfile
+from flotilla.core.identity import DeviceIdentity
 from flotilla.core.records import DeviceRecord
 from flotilla.core.tensors import DTYPES, encode_state
 from flotilla.core.work import RoundRef, UploadHeader
@@ -26,13 +28,23 @@ class HandDevice:
     fed: InProcessFederation
     record: DeviceRecord
     profile: DeviceProfile
+    #: The key its uploads are signed with (registered at enrolment).
+    identity: DeviceIdentity
+    secret: str = ""
 
     @classmethod
     async def enrol(cls, fed: InProcessFederation) -> HandDevice:
         profile = DeviceProfile("", tasks=(DIGITS,), gflops=1.0)
-        credential = await fed.federation.enrol(await fed.enrol_token(), profile)
+        identity = DeviceIdentity.generate()
+        credential = await fed.federation.enrol(
+            await fed.enrol_token(), profile, identity.public_key_hex
+        )
         record = await fed.federation.authenticate_device(credential.device_id, credential.secret)
-        return cls(fed, record, profile)
+        return cls(fed, record, profile, identity, credential.secret)
+
+    def signed(self, header: UploadHeader) -> UploadHeader:
+        """``header`` with a fresh nonce and this device's signature."""
+        return sign_header(self.identity, header)
 
     async def task_of(self, job_id: str, timeout_s: float) -> TrainTask:
         """Poll, as an idle agent does, until a round of ``job_id`` is offered."""
@@ -60,7 +72,18 @@ class HandDevice:
             payload_sha256=hashlib.sha256(payload).hexdigest(),
             codec="",
         )
-        await self.fed.federation.submit_update(self.record, header, chunks())
+        await self.fed.federation.submit_update(self.record, self.signed(header), chunks())
+
+
+def sign_header(
+    identity: DeviceIdentity, header: UploadHeader, nonce: bytes | None = None
+) -> UploadHeader:
+    """``header`` signed by ``identity`` over its own fields (a fresh nonce unless given)."""
+    ref = header.ref
+    signed = identity.sign_update(
+        ref.job_id, ref.round, ref.round_token, bytes.fromhex(header.payload_sha256), nonce
+    )
+    return dataclasses.replace(header, nonce=signed.nonce, signature=signed.signature)
 
 
 def delta(task: TrainTask, fill: float = 0.0, grow_last: bool = False) -> bytes:

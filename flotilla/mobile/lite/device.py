@@ -16,11 +16,18 @@ from dataclasses import dataclass
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from flotilla.core.device import DeviceProfile
-from flotilla.core.errors import AuthError, StaleRoundError, Unreachable, UpdateRejected, WireError
+from flotilla.core.errors import (
+    AuthError,
+    ForbiddenError,
+    StaleRoundError,
+    Unreachable,
+    UpdateRejected,
+    WireError,
+)
 from flotilla.core.flat import secure_input
+from flotilla.core.identity import DeviceIdentity
 from flotilla.core.measure import matmul_gflops, memory_bytes
 from flotilla.core.round_config import RoundConfig
 from flotilla.core.tensors import ModelState
@@ -67,14 +74,11 @@ class LiteDevice:
         trainer: LiteTrainer,
         conditions: LiteConditions,
         device_class: str = "",
-        identity: Ed25519PrivateKey | None = None,
         secagg_device: SecAggFactory = SecAggDevice,
     ) -> None:
-        """``identity``: signs this device's secure-round messages (None: one made for
-        this run, until enrolment registers a key); ``secagg_device``: builds its SecAgg+
-        party (a seam for tests)."""
+        """``secagg_device``: builds its SecAgg+ party (a seam for tests); the party signs
+        with the identity key the device registered at enrolment."""
         self.http = http
-        self.identity = identity or Ed25519PrivateKey.generate()
         self.secagg_device = secagg_device
         self.state = state
         self.trainer = trainer
@@ -90,11 +94,15 @@ class LiteDevice:
     def sign_in(self, token: str) -> str:
         """The device id: the saved credential for this server, or a new enrolment
         (AuthError at once when the token is refused)."""
-        saved = self.state.credential()
-        if saved is not None:
-            self.http.credential = saved
+        saved, key = self.state.credential(), self.state.identity()
+        if saved is not None and key is not None:
+            self.http.credential, self.http.identity = saved, key
             return saved.device_id
-        credential = self.http.enrol(token, self.profile)
+        if saved is not None:
+            log.warning("enrolled before updates were signed: enrolling again with a key")
+        identity = DeviceIdentity.generate()
+        credential = self.http.enrol(token, self.profile, identity)
+        self.state.save_identity(identity)
         self.state.save_credential(credential)
         log.info("enrolled as %s", credential.device_id)
         return credential.device_id
@@ -109,6 +117,9 @@ class LiteDevice:
                 task = self.http.poll(
                     self.conditions.current(), self.profile if send_profile else None
                 )
+            except ForbiddenError:
+                log.error("this device was revoked by the operator; stopping")
+                raise
             except AuthError:
                 # The server forgot this device (a new state dir there): enrol again, once.
                 if self.state.credential() is None:
@@ -173,14 +184,14 @@ class LiteDevice:
         that stops (SecAggRefused) gives the round up with the reason."""
         order = task.order
         plan = RoundConfig.from_json(order.config_json).secagg
-        assert plan is not None and self.http.credential is not None
+        identity = self.http.identity
+        assert plan is not None and self.http.credential is not None and identity is not None
         vector, weight = secure_input(delta, num_samples, plan.weighting, plan.l2_clip)
         config = SecAggConfig.from_privacy(plan.privacy, len(plan.participants))
         session = Session(order.job_id, order.round, plan.participants)
         party = self.secagg_device(
-            config, session, self.http.credential.device_id, self.identity, vector, weight
+            config, session, self.http.credential.device_id, identity.key, vector, weight
         )
-        key = self.identity.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
         message = b""
         for stage in Stage:
             try:
@@ -193,8 +204,7 @@ class LiteDevice:
             wait_s = plan.privacy.stage_timeout_s + SECAGG_SLACK_S
             if stage == Stage.ADVERTISE:  # the first stage closes at the round's deadline
                 wait_s += max(order.deadline - time.time(), 0.0)
-            first = stage == Stage.ADVERTISE
-            message = self.http.secagg(order.ref, int(stage), body, wait_s, key if first else b"")
+            message = self.http.secagg(order.ref, int(stage), body, wait_s)
         return outcome("accepted", "secure round done")
 
     def _fetch(self, task: OfferedTask) -> bytes:

@@ -38,6 +38,7 @@ from flotilla.core.errors import (
     UpdateRejected,
     WireError,
 )
+from flotilla.core.identity import DeviceIdentity
 from flotilla.core.timeouts import Timeouts
 from flotilla.core.work import DeviceCredential, RoundRef, WorkOrder
 
@@ -47,7 +48,6 @@ PREFIX = "/device/v1"
 READ_BYTES = 256 * 1024
 #: Headers of a secure-round message (docs/protocol.md, "Secure rounds").
 ROUND_TOKEN_HEADER = "Flotilla-Round-Token"
-IDENTITY_KEY_HEADER = "Flotilla-Identity-Key"
 #: The largest secure-round reply read (the server's message limit).
 MAX_SECAGG_REPLY_BYTES = 8 * 1024 * 1024
 
@@ -149,6 +149,9 @@ class HttpDevice:
         if tls_cert is not None:
             self._tls.load_cert_chain(tls_cert, tls_key)
         self.credential = credential
+        #: The key uploads are signed with (``core.identity``): made at enrolment, or the
+        #: saved one set by whoever restored the credential.
+        self.identity: DeviceIdentity | None = None
         self.timeouts = timeouts or Timeouts()
         self._retries = retries
         self._rng = rng or random.Random()
@@ -224,10 +227,16 @@ class HttpDevice:
 
     # --- enrolment and work --------------------------------------------------------------
 
-    def enrol(self, token: str, profile: DeviceProfile) -> DeviceCredential:
-        """A new device id and credential (kept on this object); AuthError: token refused."""
-        body = {"protocol": PROTOCOL, "token": token, "profile": profile_json(profile)}
+    def enrol(
+        self, token: str, profile: DeviceProfile, identity: DeviceIdentity | None = None
+    ) -> DeviceCredential:
+        """A new device id and credential (kept on this object, with the key registered:
+        ``identity``, or a new one); AuthError: token refused."""
+        key = identity or DeviceIdentity.generate()
+        body = {"protocol": PROTOCOL, "token": token, "profile": profile_json(profile),
+                "public_key": key.public_key_hex}  # fmt: skip
         answer = self._call("POST", "/enrol", self.timeouts.enrol_s, body)
+        self.identity = key
         self.credential = DeviceCredential(
             _field(answer.body, "device_id", str), _field(answer.body, "credential", str)
         )
@@ -264,9 +273,7 @@ class HttpDevice:
     def leave(self, reason: str = "") -> None:
         self._call("POST", "/leave", self.timeouts.leave_s, {"reason": reason})
 
-    def secagg(
-        self, ref: RoundRef, stage: int, body: bytes, timeout_s: float, identity_key: bytes = b""
-    ) -> bytes:
+    def secagg(self, ref: RoundRef, stage: int, body: bytes, timeout_s: float) -> bytes:
         """This device's message for one stage of a secure round; its message for the next
         stage once the stage closes on the server (b"" after the last). Not retried: a
         stage message is taken once."""
@@ -275,8 +282,6 @@ class HttpDevice:
             "Accept": "application/octet-stream",
             ROUND_TOKEN_HEADER: ref.round_token,
         }
-        if identity_key:
-            headers[IDENTITY_KEY_HEADER] = identity_key.hex()
         path = f"{PREFIX}/secagg/{urllib.parse.quote(ref.job_id, safe='')}/{ref.round}/{stage}"
         conn = self._connection(timeout_s)
         try:
@@ -363,16 +368,20 @@ class HttpDevice:
         """Send an update and wait for the verdict. After a broken connection the server is
         asked which ranges it holds and only the rest is sent; UpdateRejected (or a
         subclass) when the round refused it."""
-        body = {
+        digest = hashlib.sha256(payload).digest()
+        body: dict[str, Any] = {
             "job_id": order.job_id,
             "round": order.round,
             "round_token": order.round_token,
             "size": len(payload),
-            "sha256": hashlib.sha256(payload).hexdigest(),
+            "sha256": digest.hex(),
             "codec": codec,
             "num_samples": num_samples,
             "metrics": dict(metrics or {}),
         }
+        if self.identity is not None:  # signed on the create call: docs/protocol.md
+            signed = self.identity.sign_update(order.job_id, order.round, order.round_token, digest)
+            body.update(nonce=signed.nonce.hex(), signature=signed.signature.hex())
         broken_before = self.broken_calls
         created = self._retrying(
             lambda: self._call("POST", "/uploads", self.timeouts.transfer_s, body)

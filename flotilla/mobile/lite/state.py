@@ -3,6 +3,7 @@
 ::
 
     credential.json              device id + secret, for one server (mode 0600)
+    device.key                   its Ed25519 key, made at enrolment: signs every upload
     models/<sha256>.safetensors  the latest model (``.part`` while it downloads: a restart
                                  resumes it with HTTP Range)
     jobs/<kind>-<hash>.safetensors   per-job momentum and error-feedback residuals
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from flotilla.core.errors import WireError
 from flotilla.core.files import write_private_atomic
+from flotilla.core.identity import KEY_FILE, DeviceIdentity
 from flotilla.core.tensors import ModelState, decode_state, encode_state, read_metadata
 from flotilla.core.work import DeviceCredential
 
@@ -61,6 +63,18 @@ class LiteState:
 
     def forget_credential(self) -> None:
         (self.directory / CREDENTIAL_FILE).unlink(missing_ok=True)
+        (self.directory / KEY_FILE).unlink(missing_ok=True)
+
+    def identity(self) -> DeviceIdentity | None:
+        """The key this device enrolled with; None if none was kept (or it is unreadable)."""
+        try:
+            return DeviceIdentity.load(self.directory / KEY_FILE)
+        except (OSError, WireError) as exc:
+            log.warning("key file is unusable (%s); enrolling again", exc)
+            return None
+
+    def save_identity(self, identity: DeviceIdentity) -> None:
+        identity.save(self.directory / KEY_FILE)
 
     # --- per-job tensors (implements rounds.JobStates) -----------------------------------
 

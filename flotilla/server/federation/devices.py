@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from flotilla.core.device import DeviceProfile
 from flotilla.core.eligibility import EligibilitySection, ineligibility
-from flotilla.core.errors import AuthError, WireError
+from flotilla.core.errors import AuthError, ForbiddenError, WireError
 from flotilla.core.events import DeviceChanged, EventSink, Fanout
+from flotilla.core.identity import public_key as checked_key
 from flotilla.core.records import DeviceRecord
 from flotilla.core.work import DeviceCredential
 from flotilla.scheduling import DevicePool, DeviceView
@@ -74,11 +75,20 @@ class Devices:
         self.enrolled = await self._store.count_devices()
 
     async def enrol(
-        self, token: str, profile: DeviceProfile, device_id: str | None = None
+        self,
+        token: str,
+        profile: DeviceProfile,
+        device_id: str | None = None,
+        public_key: str = "",
     ) -> DeviceCredential:
         """A new device and its credential. The token must be active (the store spends one
         of its uses in the insert's transaction); ``device_id``: the id the device's client
-        certificate names (mutual TLS), refused when taken; None: a fresh one."""
+        certificate names (mutual TLS), refused when taken; None: a fresh one.
+        ``public_key`` (hex Ed25519) is the key its updates are signed with: a device
+        enrolled without one may poll and train, but its updates are refused (``no_key``)
+        until it enrols again with a key."""
+        if public_key:
+            checked_key(public_key)
         now = self._clock()
         token_hash = auth.hash_secret(token) if token else ""
         if not token or (state := await self._store.enrol_token_state(token_hash, now)) != "active":
@@ -94,6 +104,7 @@ class Devices:
             enrolled_at=now,
             last_seen_at=now,
             device_class=profile.device_class,
+            public_key=public_key,
         )
         await self._store.add_device(record, token_hash, now)
         self._known[device_id] = record
@@ -113,6 +124,36 @@ class Devices:
                 self._known[device_id] = record
         if record is None or not auth.matches(secret, record.credential_hash):
             raise AuthError("device credentials refused")
+        if record.revoked_at is not None:
+            raise ForbiddenError(
+                f"device {device_id} was revoked by the operator: its credential and key no "
+                "longer work"
+            )
+        return record
+
+    async def device_keys(self, device_ids: Sequence[str]) -> Mapping[str, bytes]:
+        """The raw Ed25519 public keys registered at enrolment (``engine.DeviceKeys``: secure
+        rounds verify key advertisements with them), of those of ``device_ids`` that have
+        one and are not revoked."""
+        keys: dict[str, bytes] = {}
+        for device_id in device_ids:
+            record = self._known.get(device_id) or await self._store.get_device(device_id)
+            if record is not None and record.public_key and record.revoked_at is None:
+                keys[device_id] = bytes.fromhex(record.public_key)
+        return keys
+
+    def revoked(self, device_id: str) -> bool:
+        """Whether the device was revoked (as this server knows: it revokes through here)."""
+        record = self._known.get(device_id)
+        return record is not None and record.revoked_at is not None
+
+    async def revoke(self, device_id: str) -> DeviceRecord:
+        """Revoke a device now: every later call of it is refused, on every edge."""
+        record = await self._store.revoke_device(device_id, self._clock())
+        self._known[device_id] = record
+        if self._listing is not None:
+            self._listing[device_id] = record
+        self._events.emit(DeviceChanged(device_id, "revoked"))
         return record
 
     async def seen(self, device: DeviceRecord, profile: DeviceProfile | None) -> None:
@@ -168,6 +209,8 @@ class Devices:
             profile = stored_profile(record)
             excluded = _excluded_by(profile, view, running or {})
             state, reason = (view.state, view.reason) if view else ("offline", "")
+            if record.revoked_at is not None:
+                state, reason = "revoked", "revoked by the operator"
             if state == "idle" and not task and _every_job(profile, excluded, running or {}):
                 state = "ineligible"
                 reason = "; ".join(f"{job}: {why}" for job, why in sorted(excluded.items()))

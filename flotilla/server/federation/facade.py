@@ -23,7 +23,7 @@ from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError, WireError
 from flotilla.core.events import BytesSent, DeviceChanged, EventSink, Fanout, PollAnswered
-from flotilla.core.records import DeviceRecord, JobRecord, RoundRecord
+from flotilla.core.records import DeviceRecord, JobRecord, RefusalRecord, RoundRecord
 from flotilla.core.timeouts import Timeouts
 from flotilla.core.work import DeviceCredential, ReportVerdict, Reservation, RoundRef, UploadHeader
 from flotilla.engine import EngineConfig, EngineServices, TaskRuntime
@@ -35,11 +35,11 @@ from flotilla.server.federation.budget import ByteBudget
 from flotilla.server.federation.devices import Devices
 from flotilla.server.federation.failures import FailureCounts
 from flotilla.server.federation.gateway import Gateway
-from flotilla.server.federation.identity_keys import IdentityKeys
 from flotilla.server.federation.jobs import Jobs
 from flotilla.server.federation.peercert import PeerCertificate, check_bound
 from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.ratelimit import RateLimiter, RateLimits
+from flotilla.server.federation.refusals import RefusalLog
 from flotilla.server.federation.store import Store
 from flotilla.server.federation.uploads import Uploads
 from flotilla.server.federation.views import BlobSlice, DeviceInfo, JobDetail, VolunteerRunInfo
@@ -84,7 +84,8 @@ class Federation:
         Prometheus metrics, the dashboard's live feed. One that raises is logged, never
         felt by the caller."""
         self._failures = FailureCounts()
-        self._events = Fanout((self._failures, *sinks))
+        self._refusals = RefusalLog(store, clock)
+        self._events = Fanout((self._failures, self._refusals, *sinks))
         self._config = config
         self._store = store
         self._blobs = BlobStore(config.state_dir / "blobs")
@@ -96,9 +97,14 @@ class Federation:
         self._hosted = hosted
         self._devices = Devices(store, self._pool, clock, self._events)
         self._uploads = Uploads(
-            self._gateway, self._pool, upload_budget, config.timeouts, clock, self._events
+            self._gateway,
+            self._pool,
+            upload_budget,
+            config.timeouts,
+            clock,
+            self._devices,
+            self._events,
         )
-        self._identity_keys = IdentityKeys()
         services = EngineServices(
             backend=self._gateway,
             leases=self._leases,
@@ -109,7 +115,7 @@ class Federation:
             config=engine,
             p2p=hosted.rendezvous,
             events=self._events,
-            keys=self._identity_keys,
+            keys=self._devices,
         )
         self._jobs = Jobs(services, store, tasks, config.state_dir)
         self._download_slots = asyncio.Semaphore(config.download_slots)
@@ -121,11 +127,13 @@ class Federation:
     async def start(self) -> None:
         """Resume the jobs a previous run left unfinished."""
         await self._devices.start()
+        self._refusals.start()
         await self._jobs.resume()
 
     async def close(self) -> None:
         await self._jobs.stop()
         await self._arbiter.close()
+        await self._refusals.close()
 
     def reap(self) -> list[str]:
         """Drop devices silent for longer than the liveness window; their ids."""
@@ -140,19 +148,20 @@ class Federation:
         self,
         token: str,
         profile: DeviceProfile,
+        public_key: str = "",
         *,
         cert: PeerCertificate | None = None,
         address: str = "",
     ) -> DeviceCredential:
-        """A new device. ``cert``: its verified client certificate, whose name becomes the
-        device id (mutual TLS); ``address``: where the call came from, whose enrolments
-        are rate limited."""
+        """A new device. ``public_key`` (hex Ed25519) verifies its updates' signatures;
+        ``cert``: its verified client certificate, whose name becomes the device id (mutual
+        TLS); ``address``: where the call came from, whose enrolments are rate limited."""
         if address:
             self._limits.take("enrol", address)
         if cert is None and self._config.client_certs:
             check_bound(None, "", required=True)
         device_id = cert.device_id() if cert is not None else None
-        return await self._devices.enrol(token, profile, device_id)
+        return await self._devices.enrol(token, profile, device_id, public_key)
 
     async def authenticate_device(
         self, device_id: str | None, secret: str | None, cert: PeerCertificate | None = None
@@ -266,13 +275,13 @@ class Federation:
     async def reserve_upload(self, device: DeviceRecord, ref: RoundRef, size: int) -> Reservation:
         """Room for an update; a device over its upload rate is RateLimited."""
         self._limits.take("upload", device.id)
-        return await self._uploads.reserve(device.id, ref, size)
+        return await self._uploads.reserve(device, ref, size)
 
     async def submit_update(
         self, device: DeviceRecord, header: UploadHeader, chunks: AsyncIterator[memoryview | bytes]
     ) -> None:
         """Returns once the round took the update; raises why it did not."""
-        await self._uploads.receive(device.id, header, chunks)
+        await self._uploads.receive(device, header, chunks)
 
     async def report_average(
         self, device: DeviceRecord, ref: RoundRef, report: Reported
@@ -286,17 +295,14 @@ class Federation:
         ref: RoundRef,
         stage: int,
         body: bytes,
-        identity_key: bytes = b"",
     ) -> bytes:
         """One device's message for a stage of a secure round; its message for the next
         stage once this one closes (bounded: the stage's timeout plus slack). A device not
         in the round, a closed round: StaleRoundError; a bad stage, an oversized or
-        malformed body: WireError. ``identity_key``: the device's raw Ed25519 public key,
-        registered on first use (``identity_keys``)."""
+        malformed body: WireError. Key advertisements are checked against the key the
+        device registered at enrolment (``Devices.device_keys``)."""
         if not MIN_STAGE <= stage <= MAX_STAGE:
             raise WireError(f"a secure-round stage is {MIN_STAGE} to {MAX_STAGE}, not {stage}")
-        if identity_key:
-            self._identity_keys.register(device.id, identity_key)
         return await self._gateway.secagg(device.id, ref, stage, body)
 
     def report_failure(self, device: DeviceRecord, ref: RoundRef, reason: str) -> None:
@@ -317,6 +323,25 @@ class Federation:
         log.info("device %s left (%s)", device.id, reason)
 
     # --- an operator's side --------------------------------------------------------------
+
+    async def revoke_device(self, device_id: str) -> DeviceRecord:
+        """Revoke a device at once: its credential and key stop working on every edge, the
+        rounds it owes are given up (reason ``revoked``) and an update it is uploading is
+        refused. NotFoundError for an unknown device."""
+        record = await self._devices.revoke(device_id)
+        for ref in self._gateway.owed(device_id):
+            self._gateway.give_up(device_id, ref, "revoked by the operator")
+        self._gateway.leave(device_id, "revoked by the operator")
+        self._gateway.wake(device_id)  # a held poll ends; the device's next call is refused
+        log.warning("device %s revoked", device_id)
+        return record
+
+    async def list_refusals(
+        self, device_id: str | None = None, job_id: str | None = None, limit: int = 1000
+    ) -> list[RefusalRecord]:
+        """Refused updates, newest first, as recorded (the last moment's are written first)."""
+        await self._refusals.flush()
+        return await self._store.list_refusals(device_id, job_id, limit)
 
     async def submit_job(self, spec_json: str) -> JobRecord:
         return await self._jobs.submit_job(spec_json)

@@ -326,6 +326,15 @@ class Gateway:
         self.events.freed(device_id, open_round.task.order.job_id)
         open_round.announce()
 
+    def wake(self, device_id: str) -> None:
+        """End the device's held poll now (empty-handed): its next call comes at once."""
+        self._offers.pop(device_id, None)
+        self._wakeup(device_id).set()
+
+    def owed(self, device_id: str) -> list[RoundRef]:
+        """The open rounds still waiting for this device's update."""
+        return [r.task.order.ref for r in self._rounds.values() if device_id in r.pending]
+
     def judge(self, device_id: str, conditions: DeviceConditions) -> list[RoundRef]:
         """Give up, for the device, every round it owes (or was offered) whose job's
         eligibility ``conditions`` no longer meet: a dropout with reason ``conditions``,

@@ -47,6 +47,7 @@ from flotilla.core.records import (
     EnrolTokenRecord,
     JobRecord,
     ParticipationRecord,
+    RefusalRecord,
     RoundAccount,
     RoundCommit,
     RoundRecord,
@@ -61,6 +62,7 @@ from flotilla.server.federation.schema import (
     JobRow,
     OperatorTokenRow,
     ParticipationRow,
+    RefusalRow,
     RoundRow,
 )
 
@@ -77,6 +79,9 @@ __all__ = [
 
 #: Hex digits of a token's SHA-256 that name it in listings and revocations.
 TOKEN_ID_HEX = 12
+#: Longest id and refusal detail the refusals table keeps (longer ones are cut).
+ID_COLUMN = 128
+MAX_DETAIL = 500
 
 # Execution option read by the SQLite "begin" hook: write transactions take the write lock
 # up front so two writers queue instead of failing on a stale snapshot.
@@ -164,6 +169,8 @@ def _device_record(row: DeviceRow) -> DeviceRecord:
         enrolled_at=row.enrolled_at,
         last_seen_at=row.last_seen_at,
         device_class=row.device_class or "",
+        public_key=row.public_key or "",
+        revoked_at=row.revoked_at,
     )
 
 
@@ -393,6 +400,8 @@ class Store:
             enrolled_at=device.enrolled_at,
             last_seen_at=device.last_seen_at,
             device_class=device.device_class,
+            public_key=device.public_key,
+            revoked_at=device.revoked_at,
         )
         try:
             async with self._write.begin() as s:
@@ -444,6 +453,50 @@ class Store:
             if device_class is not None:
                 row.device_class = device_class
             return _device_record(row)
+
+    async def revoke_device(self, device_id: str, at: float) -> DeviceRecord:
+        """Mark a device revoked at ``at``; revoking it again keeps the first time."""
+        async with self._write.begin() as s:
+            row = await s.get(DeviceRow, device_id, with_for_update=True)
+            if row is None:
+                raise NotFoundError(f"unknown device {device_id!r}")
+            if row.revoked_at is None:
+                row.revoked_at = at
+            return _device_record(row)
+
+    # -- refusals --------------------------------------------------------------------------
+
+    async def add_refusals(self, refusals: Iterable[RefusalRecord]) -> None:
+        """Record refused updates, in one transaction (the refusal log writes in batches)."""
+        rows = [
+            RefusalRow(
+                at=r.at,
+                device_id=r.device_id[:ID_COLUMN],
+                job_id=r.job_id[:ID_COLUMN],
+                round=max(min(r.round, 2**31 - 1), -1),
+                reason=r.reason[:64],
+                detail=r.detail[:MAX_DETAIL],
+            )
+            for r in refusals
+        ]
+        if rows:
+            async with self._write.begin() as s:
+                s.add_all(rows)
+
+    async def list_refusals(
+        self, device_id: str | None = None, job_id: str | None = None, limit: int = 1000
+    ) -> list[RefusalRecord]:
+        """The newest ``limit`` refusals (of one device or job, if given), newest first."""
+        stmt = select(RefusalRow).order_by(RefusalRow.id.desc()).limit(limit)
+        if device_id is not None:
+            stmt = stmt.where(RefusalRow.device_id == device_id)
+        if job_id is not None:
+            stmt = stmt.where(RefusalRow.job_id == job_id)
+        async with self._read() as s:
+            return [
+                RefusalRecord(r.at, r.device_id, r.job_id, r.round, r.reason, r.detail)
+                for r in await s.scalars(stmt)
+            ]
 
     # -- jobs ------------------------------------------------------------------------------
 

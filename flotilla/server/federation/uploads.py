@@ -1,9 +1,11 @@
 """Device uploads: admitted by reservation or budget, one per device, checked before delivery.
 
 An update reaches the core as an :class:`UploadHeader` plus an async iterator of byte
-chunks, whatever edge carried it. Here it is bounded by size before any buffer exists,
-checked against its SHA-256, decoded zero-copy against the model's layout, refused if
-not finite, and only then handed to the round engine (``Gateway.deliver``).
+chunks, whatever edge carried it. Here its signature is checked first (the device's
+registered key over job, round, round token, payload SHA-256 and a nonce not seen before:
+``core.identity``), then it is bounded by size before any buffer exists, checked against
+its SHA-256, decoded zero-copy against the model's layout, refused if not finite, and only
+then handed to the round engine (``Gateway.deliver``).
 """
 
 from __future__ import annotations
@@ -15,12 +17,21 @@ import math
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from flotilla.compression import Codec, NoneCodec, decode_state_with, max_payload_bytes
 from flotilla.core.blobs import BlobAssembler
-from flotilla.core.errors import FlotillaError, StaleRoundError, UpdateRejected, WireError
+from flotilla.core.errors import (
+    AuthError,
+    FlotillaError,
+    ForbiddenError,
+    StaleRoundError,
+    UpdateRejected,
+    WireError,
+)
 from flotilla.core.events import EventSink, Fanout, UpdateAccepted, UpdateRefused
+from flotilla.core.identity import digest_bytes, update_statement, verify_update
+from flotilla.core.records import DeviceRecord
 from flotilla.core.tensors import ModelState, TensorSpec, check_finite, decode_state, read_metadata
 from flotilla.core.timeouts import Timeouts
 from flotilla.core.update import Update
@@ -36,6 +47,11 @@ HEADER_SLACK = 1024 * 1024
 MAX_GROUP = 4096
 #: Header codec names that mean plain safetensors of the delta.
 PLAIN_CODECS = {"": "none", "safetensors": "none"}
+#: Signed uploads one device may start for one round (each with a fresh nonce): enough
+#: for every honest retry, and a bound on the nonces kept for it.
+MAX_ATTEMPTS = 64
+#: The longest refusal detail an event carries (it is recorded).
+MAX_DETAIL = 500
 
 
 def decode_update(
@@ -93,6 +109,8 @@ _STAGE_REASONS: dict[str, str] = {
 @dataclass(slots=True)
 class _Progress:
     stage: UploadStage = "open"
+    #: Set by the identity checks, whose reasons no stage tells.
+    reason: str = ""
 
 
 def refusal_reason(stage: UploadStage, exc: FlotillaError) -> str:
@@ -102,6 +120,56 @@ def refusal_reason(stage: UploadStage, exc: FlotillaError) -> str:
     if stage == "decode" and isinstance(exc, UpdateRejected):
         return "shape"  # decoded, but not the model's tensors
     return _STAGE_REASONS[stage]
+
+
+class Standing(Protocol):
+    """Whether a device is still trusted now (it may be revoked while it uploads)."""
+
+    def revoked(self, device_id: str) -> bool: ...
+
+
+class Nonces:
+    """Nonces each device signed uploads with, kept per open round and dropped with it: a
+    captured upload resent in its round is a replay; in any later round its round token
+    (signed) is no longer open, so it is stale whatever its nonce."""
+
+    def __init__(self, round_open: Callable[[str], bool]) -> None:
+        self._round_open = round_open
+        self._seen: dict[str, dict[str, set[bytes]]] = {}
+
+    def take(self, round_token: str, device_id: str, nonce: bytes) -> None:
+        """Remember ``nonce``; UpdateRejected if the device used it (or too many) before."""
+        for token in [t for t in self._seen if not self._round_open(t)]:
+            del self._seen[token]
+        used = self._seen.setdefault(round_token, {}).setdefault(device_id, set())
+        if nonce in used:
+            raise UpdateRejected("replayed upload: this nonce was already used in this round")
+        if len(used) >= MAX_ATTEMPTS:
+            raise UpdateRejected(f"more than {MAX_ATTEMPTS} uploads for one round")
+        used.add(nonce)
+
+
+def check_signature(device: DeviceRecord, head: UploadHeader, progress: _Progress) -> None:
+    """The update is this device's, for this job, round and bytes, or refused with why."""
+    if not device.public_key:
+        progress.reason = "no_key"
+        raise AuthError(
+            "this device registered no public key (it enrolled before updates were signed): "
+            "enrol again to make one"
+        )
+    progress.stage = "header"
+    digest = digest_bytes(head.payload_sha256)
+    progress.reason = "signature"
+    ref = head.ref
+    if not head.nonce or not head.signature:
+        raise UpdateRejected("unsigned update: every upload carries a nonce and a signature")
+    statement = update_statement(ref.job_id, ref.round, ref.round_token, digest, head.nonce)
+    if not verify_update(device.public_key, statement, head.signature):
+        raise UpdateRejected(
+            "the signature does not verify with this device's key over this job, round, "
+            "round token, payload SHA-256 and nonce"
+        )
+    progress.reason = ""
 
 
 class KeyedLock:
@@ -190,11 +258,13 @@ class Uploads:
         budget: ByteBudget,
         timeouts: Timeouts,
         clock: Callable[[], float],
+        standing: Standing,
         events: EventSink | None = None,
     ) -> None:
         """``timeouts.upload_idle_s`` drops a stalled upload (and bounds a reservation);
         ``timeouts.upload_grace_s`` lets one under way finish past its round's deadline;
-        ``events`` hears of every update taken or refused, and why."""
+        ``standing`` says whether a device was revoked meanwhile; ``events`` hears of every
+        update taken or refused, and why."""
         self._events = Fanout(() if events is None else (events,))
         self._gateway = gateway
         self._pool = pool
@@ -204,13 +274,19 @@ class Uploads:
         self._clock = clock
         self._locks = KeyedLock()
         self._reservations = Reservations(budget, self._idle_s)
+        self._standing = standing
+        self._nonces = Nonces(gateway.round_open)
 
-    async def reserve(self, device_id: str, ref: RoundRef, size: int) -> Reservation:
+    async def reserve(self, device: DeviceRecord, ref: RoundRef, size: int) -> Reservation:
         """Room for an upload of ``size`` bytes, waited for until the round's deadline.
         A refusal here is the update's refusal (its device will not send it)."""
         progress = _Progress()
+        device_id = device.id
         try:
             open_round = self._gateway.expect(device_id, ref.job_id, ref.round, ref.round_token)
+            if not device.public_key:
+                progress.reason = "no_key"
+                raise AuthError("this device registered no public key: enrol again to make one")
             limit = update_limit(open_round.task, device_id)
             progress.stage = "size"
             if not 0 <= size <= limit:
@@ -226,10 +302,17 @@ class Uploads:
                     "stale round: the round closes before there is room for this update"
                 ) from None
         except FlotillaError as exc:
-            reason = refusal_reason(progress.stage, exc)
-            self._events.emit(UpdateRefused(self._job_label(ref), device_id, reason))
+            self._refused(ref, device_id, progress, exc)
             raise
         return Reservation(key, self._reservations.ttl_s)
+
+    def _refused(
+        self, ref: RoundRef, device_id: str, progress: _Progress, exc: FlotillaError
+    ) -> None:
+        job = self._job_label(ref)
+        reason = progress.reason or refusal_reason(progress.stage, exc)
+        detail = str(exc)[:MAX_DETAIL]
+        self._events.emit(UpdateRefused(job, device_id, reason, ref.round if job else -1, detail))
 
     def _job_label(self, ref: RoundRef) -> str:
         """The job a refusal is counted against: the one the device names if it is real,
@@ -237,31 +320,37 @@ class Uploads:
         return ref.job_id if self._gateway.known_job(ref.job_id) else ""
 
     async def receive(
-        self, device_id: str, head: UploadHeader, chunks: AsyncIterator[memoryview | bytes]
+        self, device: DeviceRecord, head: UploadHeader, chunks: AsyncIterator[memoryview | bytes]
     ) -> None:
         """Take one update; returns once the engine accepted it, raises if it refused."""
         # One upload per device at a time: a device opening many streams at once would
         # otherwise get a model-sized buffer for each.
-        async with self._locks.hold(device_id):
+        async with self._locks.hold(device.id):
             progress = _Progress()
             try:
-                await self._receive(device_id, head, chunks, progress)
+                await self._receive(device, head, chunks, progress)
             except FlotillaError as exc:
-                reason = refusal_reason(progress.stage, exc)
-                self._events.emit(UpdateRefused(self._job_label(head.ref), device_id, reason))
+                self._refused(head.ref, device.id, progress, exc)
                 raise
-            self._events.emit(UpdateAccepted(head.ref.job_id, device_id, head.payload_size))
+            self._events.emit(UpdateAccepted(head.ref.job_id, device.id, head.payload_size))
 
     async def _receive(
         self,
-        device_id: str,
+        device: DeviceRecord,
         head: UploadHeader,
         chunks: AsyncIterator[memoryview | bytes],
         progress: _Progress,
     ) -> None:
+        device_id = device.id
         open_round = self._gateway.expect(
             device_id, head.ref.job_id, head.ref.round, head.ref.round_token
         )
+        # Who sent it, before a byte of it is read: signed by this device's key, for this
+        # job, round and payload, with a nonce it has not used in this round.
+        check_signature(device, head, progress)
+        progress.reason = "replay"
+        self._nonces.take(head.ref.round_token, device_id, head.nonce)
+        progress.reason = ""
         progress.stage = "header"
         codec = self._codec(open_round, device_id, head)
         if head.num_samples <= 0:
@@ -310,6 +399,11 @@ class Uploads:
                     "bytes_down": float(open_round.bytes_down.get(device_id, 0)),
                 },
             )
+            if self._standing.revoked(device_id):
+                progress.reason = "revoked"
+                with contextlib.suppress(StaleRoundError):
+                    self._gateway.give_up(device_id, head.ref, "revoked by the operator")
+                raise ForbiddenError("this device was revoked while its update was uploading")
             progress.stage = "deliver"
             await self._gateway.deliver(
                 open_round, update, self._time_left(open_round.task.order.deadline)

@@ -44,6 +44,7 @@ class AgentServicer:
         enrolment = await self._federation.enrol(
             request.token,
             wire.profile_from_pb(request.profile),
+            request.public_key,
             cert=wire.peer_certificate(context.auth_context()),
             address=peer_address(context.peer()),
         )
@@ -132,7 +133,7 @@ class AgentServicer:
     async def SecAgg(self, request: pb.SecAggRequest, context: Context) -> pb.SecAggReply:
         device = await self._device(context)
         body = await self._federation.secagg(
-            device, wire.round_ref(request), request.stage, request.body, request.identity_key
+            device, wire.round_ref(request), request.stage, request.body
         )
         return pb.SecAggReply(body=body)
 

@@ -1,4 +1,5 @@
-"""The Operator service: submit, list, inspect, cancel and export jobs; list devices and runs."""
+"""The Operator service: submit, list, inspect, cancel and export jobs; list devices and runs;
+revoke a device and read the refused updates."""
 
 from __future__ import annotations
 
@@ -44,6 +45,22 @@ class OperatorServicer:
         await self._operator(context)
         devices = await self._federation.list_devices(request.task, request.job_id)
         return pb.ListDevicesReply(devices=[wire.device_info_to_pb(d) for d in devices])
+
+    async def RevokeDevice(
+        self, request: pb.RevokeDeviceRequest, context: Context
+    ) -> pb.RevokeDeviceReply:
+        await self._operator(context)
+        record = await self._federation.revoke_device(request.device_id)
+        return pb.RevokeDeviceReply(device_id=record.id, revoked_at=record.revoked_at or 0.0)
+
+    async def ListRefusals(
+        self, request: pb.ListRefusalsRequest, context: Context
+    ) -> pb.ListRefusalsReply:
+        await self._operator(context)
+        refusals = await self._federation.list_refusals(
+            request.device_id or None, request.job_id or None, min(request.limit or 1000, 10_000)
+        )
+        return pb.ListRefusalsReply(refusals=[wire.refusal_to_pb(r) for r in refusals])
 
     async def ListVolunteerRuns(
         self, request: pb.ListVolunteerRunsRequest, context: Context

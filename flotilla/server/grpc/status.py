@@ -18,6 +18,7 @@ import grpc
 from flotilla.core.errors import (
     AuthError,
     FlotillaError,
+    ForbiddenError,
     NotFoundError,
     RateLimited,
     SpecError,
@@ -34,6 +35,8 @@ Context = grpc.aio.ServicerContext[Any, Any]
 STATUS: Mapping[type[BaseException], grpc.StatusCode] = {
     AuthError: grpc.StatusCode.UNAUTHENTICATED,
     RateLimited: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    # A revoked device: final, unlike a refused credential (which re-enrolment mends).
+    ForbiddenError: grpc.StatusCode.PERMISSION_DENIED,
     NotFoundError: grpc.StatusCode.NOT_FOUND,
     SpecError: grpc.StatusCode.INVALID_ARGUMENT,
     WireError: grpc.StatusCode.INVALID_ARGUMENT,

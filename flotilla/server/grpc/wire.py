@@ -9,7 +9,7 @@ from flotilla.core.allreduce import Contribution
 from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import WireError
-from flotilla.core.records import JobRecord, RoundRecord
+from flotilla.core.records import JobRecord, RefusalRecord, RoundRecord
 from flotilla.core.spec import JobSpec
 from flotilla.core.work import RoundRef, UploadHeader, WorkOrder
 from flotilla.engine.backend import Reported
@@ -114,6 +114,8 @@ def header_from_pb(msg: pb.UpdateHeader) -> UploadHeader:
         codec=msg.codec,
         metrics=dict(msg.metrics),
         reservation=msg.reservation,
+        nonce=msg.nonce,
+        signature=msg.signature,
     )
 
 
@@ -188,6 +190,13 @@ def round_info(r: RoundRecord) -> pb.RoundInfo:
     )
 
 
+def refusal_to_pb(r: RefusalRecord) -> pb.RefusalInfo:
+    return pb.RefusalInfo(
+        at=r.at, device_id=r.device_id, job_id=r.job_id, round=r.round, reason=r.reason,
+        detail=r.detail,
+    )  # fmt: skip
+
+
 def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
     return pb.DeviceInfo(
         id=info.id,
@@ -224,6 +233,7 @@ __all__ = [
     "header_from_pb",
     "job_info",
     "profile_from_pb",
+    "refusal_to_pb",
     "report_from_pb",
     "round_info",
     "round_ref",

@@ -99,9 +99,13 @@ class DeviceRoutes:
     # --- enrolment and work --------------------------------------------------------------
 
     async def enrol(self, request: web.Request) -> web.Response:
-        token, profile = wire.enrol_request(await self._json(request, "enrol request"))
+        token, profile, public_key = wire.enrol_request(await self._json(request, "enrol request"))
         credential = await self._federation.enrol(
-            token, profile, cert=peer_certificate(request), address=request.remote or ""
+            token,
+            profile,
+            public_key,
+            cert=peer_certificate(request),
+            address=request.remote or "",
         )
         body = {"device_id": credential.device_id, "credential": credential.secret}
         return respond(body, 201)
@@ -141,7 +145,6 @@ class DeviceRoutes:
         the stage closes on the server."""
         device = await self._device(request)
         ref, stage = wire.secagg_path(request.match_info, request.headers)
-        key = wire.identity_key_header(request.headers)
         length = request.content_length
         if length is None:
             raise DeviceRefusal(411, "length_required", "send the message with a Content-Length")
@@ -157,7 +160,7 @@ class DeviceRoutes:
             )
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
             raise WireError(f"message truncated: fewer than its {length} bytes arrived") from None
-        reply = await self._federation.secagg(device, ref, stage, body, key)
+        reply = await self._federation.secagg(device, ref, stage, body)
         return web.Response(body=reply, content_type="application/octet-stream")
 
     # --- model download ------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import WireError
+from flotilla.core.identity import NONCE_BYTES, SIGNATURE_BYTES
 from flotilla.core.work import RoundRef, UploadHeader, WorkOrder
 
 #: The protocol version: in every response (header ``Flotilla-Protocol`` and the body's
@@ -78,6 +79,16 @@ class Fields:
             raise WireError(f"{self._where}: '{name}' must be 64 lowercase hex digits")
         return value
 
+    def hex_bytes(self, name: str, size: int) -> bytes:
+        """An optional field of ``size`` bytes as ``2 * size`` lowercase hex digits (b"" if
+        absent): the core says what it means for an update to lack it."""
+        value = self.text(name, required=False)
+        if not value:
+            return b""
+        if len(value) != 2 * size or not set(value) <= _SHA_CHARS:
+            raise WireError(f"{self._where}: '{name}' must be {2 * size} lowercase hex digits")
+        return bytes.fromhex(value)
+
     def obj(self, name: str, required: bool = False) -> Any:
         """A nested value, parsed by the caller; None when absent (or null)."""
         return self._get(name, required)
@@ -126,16 +137,18 @@ def profile(data: object, where: str) -> DeviceProfile:
     return made
 
 
-def enrol_request(data: object) -> tuple[str, DeviceProfile]:
-    """``(enrolment token, profile)``; a protocol this server does not speak is refused."""
+def enrol_request(data: object) -> tuple[str, DeviceProfile, str]:
+    """``(enrolment token, profile, public key)``; a protocol this server does not speak is
+    refused. The key (hex Ed25519, ``""`` if absent) is checked where it is registered."""
     f = Fields(data, "enrol request")
     version = f.integer("protocol")
     if version != PROTOCOL:
         raise WireError(f"protocol version {version} not supported; this server speaks {PROTOCOL}")
     token = f.text("token")
     made = profile(f.obj("profile", required=True), "enrol request: profile")
+    public_key = f.text("public_key", required=False)
     f.done()
-    return token, made
+    return token, made, public_key
 
 
 def conditions(value: object, where: str) -> DeviceConditions | None:
@@ -178,6 +191,8 @@ def upload_request(data: object) -> UploadHeader:
         payload_sha256=f.sha256("sha256"),
         codec=f.text("codec", required=False),
         metrics=metrics(f.obj("metrics"), "upload request: metrics"),
+        nonce=f.hex_bytes("nonce", NONCE_BYTES),
+        signature=f.hex_bytes("signature", SIGNATURE_BYTES),
     )
     f.done()
     return header
@@ -215,9 +230,6 @@ def leave_request(data: object) -> str:
 
 #: Headers of a secure-round message (``POST /device/v1/secagg/{job_id}/{round}/{stage}``).
 ROUND_TOKEN_HEADER = "Flotilla-Round-Token"
-IDENTITY_KEY_HEADER = "Flotilla-Identity-Key"
-#: A raw Ed25519 public key, hex.
-_KEY_HEX = 64
 
 
 def secagg_path(path: Mapping[str, str], headers: Mapping[str, str]) -> tuple[RoundRef, int]:
@@ -237,16 +249,6 @@ def secagg_path(path: Mapping[str, str], headers: Mapping[str, str]) -> tuple[Ro
             raise WireError(f"secure-round message: {name} in the path must be a whole number")
         numbers.append(int(text))
     return RoundRef(job_id, numbers[0], token), numbers[1]
-
-
-def identity_key_header(headers: Mapping[str, str]) -> bytes:
-    """The device's raw Ed25519 public key from its hex header (b"" without one)."""
-    text = headers.get(IDENTITY_KEY_HEADER, "")
-    if not text:
-        return b""
-    if len(text) != _KEY_HEX or not set(text) <= _SHA_CHARS:
-        raise WireError(f"{IDENTITY_KEY_HEADER} must be {_KEY_HEX} lowercase hex characters")
-    return bytes.fromhex(text)
 
 
 # --- responses -----------------------------------------------------------------------------

@@ -147,6 +147,7 @@ SCHEMAS: dict[str, Any] = {
         }
     ),
     "Status": _obj({"status": STRING}),
+    "RevokedDevice": _obj({"device_id": STRING, "revoked_at": {"type": "number"}}),
 }
 
 JOB_ID = {
@@ -154,6 +155,13 @@ JOB_ID = {
     "in": "path",
     "required": True,
     "description": "A job id, as `GET /api/v1/jobs` lists them.",
+    "schema": STRING,
+}
+DEVICE_ID = {
+    "name": "id",
+    "in": "path",
+    "required": True,
+    "description": "A device id, as `GET /api/v1/devices` lists them.",
     "schema": STRING,
 }
 SINCE = {
@@ -210,6 +218,10 @@ OPERATIONS: tuple[Operation, ...] = (
               (JOB_ID,), (404,)),
     Operation("get", "/api/v1/devices", "listDevices", "Every enrolled device", Scope.READ,
               (200, JSON, _ref("Devices"))),
+    Operation("post", "/api/v1/devices/{id}/revoke", "revokeDevice",
+              "Revoke a device at once: its credential and key stop working on every edge, "
+              "the rounds it owes are given up and an update it is uploading is refused",
+              Scope.OPERATOR, (200, JSON, _ref("RevokedDevice")), (DEVICE_ID,), (404,)),
     Operation("get", "/api/v1/devices/history", "deviceHistory",
               "Device counts by state over time, oldest first", Scope.READ,
               (200, JSON, _ref("DeviceHistory"))),
@@ -236,7 +248,7 @@ ERROR_TEXT = {
     "the message names the field).",
     401: "No token, or an unknown one (`unauthorized`).",
     403: "A read-only token on a route that changes state (`forbidden`).",
-    404: "No such job (`not_found`).",
+    404: "No such job or device (`not_found`).",
     409: "The change contradicts the job's state (`conflict`).",
     413: "The body is too large (`payload_too_large`).",
     503: "Not ready: starting or stopping (`unavailable`).",

@@ -1,4 +1,5 @@
-"""The routes only a live server has: submit and cancel jobs, export a model, ``/metrics``,
+"""The routes only a live server has: submit and cancel jobs, export a model, revoke a
+device, ``/metrics``,
 health, readiness and the OpenAPI document. The read routes come from
 :mod:`flotilla.dashboard.app`; both map errors through the same table."""
 
@@ -57,6 +58,11 @@ class ServerRoutes:
         task = JobSpec.from_json(job.spec_json).job.task
         return json_response(render.dumps(render.job_json(job_view(job, task))))
 
+    async def revoke(self, request: web.Request) -> web.Response:
+        record = await self.federation.revoke_device(request.match_info["id"])
+        body = {"device_id": record.id, "revoked_at": record.revoked_at}
+        return json_response(render.dumps(body))
+
     async def export(self, request: web.Request) -> web.StreamResponse:
         job_id = request.match_info["id"]
         async with contextlib.aclosing(self.federation.export_model(job_id)) as pieces:
@@ -98,6 +104,7 @@ class ServerRoutes:
     def add_to(self, app: web.Application) -> None:
         add_write_route(app, "POST", "/api/v1/jobs", self.submit)
         add_write_route(app, "POST", "/api/v1/jobs/{id}/cancel", self.cancel)
+        add_write_route(app, "POST", "/api/v1/devices/{id}/revoke", self.revoke)
         app.router.add_get("/api/v1/jobs/{id}/model", self.export)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/healthz", self.healthz)
