@@ -13,9 +13,11 @@ channel each for the gRPC edge), doing no training. For each edge, in the same r
 - **upload**: the other devices leave; 100 of them run jobs on the synthetic
   100k-parameter task (every device every round): poll, download the model, wait for the
   round's other downloads (so a round's uploads run together), upload one update (HTTP:
-  create, PUT chunks, finalize; gRPC: ReserveUpload, SubmitUpdate). Server CPU per
-  accepted update from submission to completion (the job's own work, evaluation and
-  checkpoints included, is the same on both edges), update MB/s while a round's uploads
+  create, PUT chunks, finalize; gRPC: ReserveUpload, SubmitUpdate), signed as a real
+  device signs it: every device enrols with an Ed25519 public key and signs each upload
+  with a fresh nonce (``docs/identity.md``). Server CPU per accepted update from
+  submission to completion (its signature check included; the job's own work, evaluation
+  and checkpoints included, is the same on both edges), update MB/s while a round's uploads
   run, and the accepted updates counted against the committed rounds. Chunks are 1 MiB,
   what the HTTP edge advises (one chunk per update); full runs upload again in 64 KiB
   chunks. Full runs do two jobs per edge, the edges alternating, so drift in a shared

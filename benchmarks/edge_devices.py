@@ -6,7 +6,10 @@ grpc.aio channel per device (a local subchannel pool, so one TCP connection each
 separate phones would have) -- and do nothing else: no training, no files, no speed test.
 What a device does per call is what the real clients do (``flotilla.mobile.lite.http``,
 ``flotilla.client.grpc_transport``) minus the retries and the checks of what comes back,
-so the measured cost is the server's.
+so the measured cost is the server's. That includes identity (``docs/identity.md``): each
+device makes an Ed25519 key at enrolment and registers its public key, and signs every
+upload (a fresh nonce each) -- the server refuses an update without it, and its signature
+check is part of its CPU per update.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from flotilla.client.grpc_transport import header_to_pb, profile_to_pb
 from flotilla.core.blobs import CHUNK_BYTES, sha256_hex
 from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
+from flotilla.core.identity import DeviceIdentity, UpdateSignature, digest_bytes
 from flotilla.core.tensors import decode_state, encode_state
 from flotilla.core.work import DeviceCredential, RoundRef, UploadHeader
 from flotilla.proto import PROTOCOL_VERSION, bulk
@@ -62,6 +66,11 @@ class SharedUpdate:
         return self.payload
 
 
+def sign(identity: DeviceIdentity, ref: RoundRef, sha256: str) -> UpdateSignature:
+    """What a real device sends with each upload: a fresh nonce and its signature."""
+    return identity.sign_update(ref.job_id, ref.round, ref.round_token, digest_bytes(sha256))
+
+
 class Fleet(Protocol):
     """What ``benchmarks/edge.py`` asks of the devices of one edge."""
 
@@ -91,6 +100,8 @@ class HttpFleet:
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=SLACK_S + hold_s),
         )
+        #: Each enrolled device's key, by device id: its uploads are signed with it.
+        self._keys: dict[str, DeviceIdentity] = {}
 
     @staticmethod
     def _auth(device: DeviceCredential) -> dict[str, str]:
@@ -105,8 +116,11 @@ class HttpFleet:
             return answer
 
     async def enrol(self, token: str, profile: DeviceProfile) -> DeviceCredential:
-        body = {"protocol": 1, "token": token, "profile": {"tasks": list(profile.tasks)}}
+        key = DeviceIdentity.generate()
+        body = {"protocol": 1, "token": token, "profile": {"tasks": list(profile.tasks)},
+                "public_key": key.public_key_hex}  # fmt: skip
         got = await self._json("/enrol", None, body)
+        self._keys[got["device_id"]] = key
         return DeviceCredential(got["device_id"], got["credential"])
 
     async def poll(self, device: DeviceCredential) -> Offer | None:
@@ -125,11 +139,14 @@ class HttpFleet:
     async def upload(
         self, device: DeviceCredential, offer: Offer, update: bytes, sha256: str, chunk: int
     ) -> None:
-        """Create, the chunks in order, finalize: the protocol's resumable upload, unbroken."""
+        """Create (signed), the chunks in order, finalize: the protocol's resumable upload,
+        unbroken."""
         ref, size = offer.ref, len(update)
+        signed = sign(self._keys[device.device_id], ref, sha256)
         body = {
             **{"job_id": ref.job_id, "round": ref.round, "round_token": ref.round_token},
             **{"size": size, "sha256": sha256, "num_samples": 8, "metrics": {"loss": 1.0}},
+            **{"nonce": signed.nonce.hex(), "signature": signed.signature.hex()},
         }
         upload = await self._json("/uploads", device, body)
         url = f"{self._api}/uploads/{upload['upload_id']}"
@@ -161,6 +178,8 @@ class _Line:
     stub: pb_grpc.AgentStub
     fetch: Any
     submit: Any
+    #: The device's key, registered at enrolment; its uploads are signed with it.
+    identity: DeviceIdentity
 
 
 class GrpcFleet:
@@ -194,12 +213,16 @@ class GrpcFleet:
                 request_serializer=None,
                 response_deserializer=pb.SubmitReply.FromString,
             ),
+            DeviceIdentity.generate(),
         )
 
     async def enrol(self, token: str, profile: DeviceProfile) -> DeviceCredential:
         line = self._open()
         request = pb.EnrolRequest(
-            protocol_version=PROTOCOL_VERSION, token=token, profile=profile_to_pb(profile)
+            protocol_version=PROTOCOL_VERSION,
+            token=token,
+            profile=profile_to_pb(profile),
+            public_key=line.identity.public_key_hex,
         )
         got = await line.stub.Enrol(request, timeout=SLACK_S)
         self._lines[got.device_id] = line
@@ -224,7 +247,8 @@ class GrpcFleet:
     async def upload(
         self, device: DeviceCredential, offer: Offer, update: bytes, sha256: str, chunk: int
     ) -> None:
-        """ReserveUpload, then SubmitUpdate: the header and the bytes in chunks, one stream."""
+        """ReserveUpload, then SubmitUpdate: the signed header and the bytes in chunks, one
+        stream."""
         line, md = self._lines[device.device_id], credential_metadata(device)
         ref = offer.ref
         reserve = pb.ReserveUploadRequest(
@@ -232,7 +256,11 @@ class GrpcFleet:
             payload_size=len(update),
         )  # fmt: skip
         room = await line.stub.ReserveUpload(reserve, metadata=md, timeout=SLACK_S)
-        header = UploadHeader(ref, 8, len(update), sha256, "", {"loss": 1.0}, room.reservation)
+        signed = sign(line.identity, ref, sha256)
+        header = UploadHeader(
+            ref, 8, len(update), sha256, "", {"loss": 1.0}, room.reservation,
+            nonce=signed.nonce, signature=signed.signature,
+        )  # fmt: skip
         chunk = chunk or CHUNK_BYTES
         frames = [bulk.update_header(header_to_pb(header))]
         frames += [bulk.update_data(update[i : i + chunk]) for i in range(0, len(update), chunk)]
