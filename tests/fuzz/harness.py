@@ -227,7 +227,7 @@ def json_value(rng: random.Random, depth: int = 3) -> object:
     if kind == 1:
         return rng.random() < 0.5
     if kind == 2:
-        return rng.choice((*INTERESTING, -1, -(2**63), 10**30))
+        return rng.choice((*INTERESTING, -1, -(2**63), 10**30, 10**400, -(10**400)))
     if kind == 3:
         return rng.randint(-5, 300)
     if kind == 4:
