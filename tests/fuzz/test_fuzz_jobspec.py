@@ -20,7 +20,14 @@ from tests.fuzz.json_inputs import HOSTILE, json_inputs
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.xdist_group("fuzz"), pytest.mark.timeout(300)]
 
-_DIGITS = (Path(flotilla.__file__).parent / "examples" / "digits.toml").read_bytes()
+#: The example job file without its comments: the same tables at a third of the parse cost.
+_DIGITS = b"\n".join(
+    line.split(b"#")[0].rstrip()
+    for line in (Path(flotilla.__file__).parent / "examples" / "digits.toml")
+    .read_bytes()
+    .split(b"\n")
+    if line.split(b"#")[0].strip()
+)
 TOML_SEEDS = (
     _DIGITS,
     _DIGITS + b'\n[[jobs]]\njob = { name = "a", seed = 1 }\n[[jobs]]\njob = { name = "b" }\n',

@@ -44,8 +44,11 @@ def read_bulk(data: bytes) -> None:
         raise refused
 
 
+BULK = Target("proto-bulk", read_bulk, (WireError,))
+
+
 def test_bulk_frames_parse_or_raise_our_errors() -> None:
-    fuzz(Target("proto-bulk", read_bulk, (WireError,)), mutated(BULK_SEEDS), BULK_SEEDS)
+    fuzz(BULK, mutated(BULK_SEEDS), BULK_SEEDS)
 
 
 def _deserializers() -> dict[str, Callable[[bytes], object]]:
