@@ -62,6 +62,8 @@ class DeviceConditions:
             isinstance(battery, bool) or not isinstance(battery, (int, float))
         ):
             raise WireError(f"{where}: battery must be a number or null")
+        if isinstance(battery, int) and not 0 <= battery <= 1:  # before float(): 10**400
+            raise WireError(f"{where}: battery must be within 0..1, got {str(battery)[:20]}")
         network = data.get("network", "unknown")
         thermal = data.get("thermal", "unknown")
         for name, value in (("network", network), ("thermal", thermal)):

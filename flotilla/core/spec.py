@@ -255,8 +255,8 @@ class JobSpec:
     def from_json(cls, text: str, source: str = "<json>") -> JobSpec:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise SpecError(f"{source}: not valid JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # bad JSON, 5000-digit ints, nesting
+            raise SpecError(f"{source}: not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(data, dict):
             raise SpecError(f"{source}: a job spec must be a table")
         return cls.from_dict(data, source)
@@ -313,8 +313,8 @@ def parse_toml(text: str, source: str) -> dict[str, Any]:
     """TOML text's tables (a file's, or a request body's); malformed: a :class:`SpecError`."""
     try:
         data: dict[str, Any] = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"{source}: not valid TOML: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # TOMLDecodeError, 5000-digit ints, nesting
+        raise SpecError(f"{source}: not valid TOML: {str(exc)[:200]}") from None
     return data
 
 

@@ -87,7 +87,10 @@ def _coerce(hint: Any, value: Any, source: str, field: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SpecError(f"{source}: field '{field}' must be a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past float's range, e.g. 10**400
+            raise SpecError(f"{source}: field '{field}' is out of range") from None
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise SpecError(f"{source}: field '{field}' must be an integer, got {value!r}")

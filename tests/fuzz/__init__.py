@@ -1,0 +1,1 @@
+"""Fuzz harnesses over every decoder that reads network bytes (docs/fuzzing.md)."""

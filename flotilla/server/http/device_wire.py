@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,8 @@ MAX_TEXT = 256
 MAX_TASKS = 64
 MAX_METRICS = 64
 _SHA_CHARS = frozenset("0123456789abcdef")
+#: float64's largest finite value.
+F64_MAX = sys.float_info.max
 
 
 class Fields:
@@ -69,7 +72,7 @@ class Fields:
             return 0.0
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise WireError(f"{self._where}: '{name}' must be a number")
-        if not math.isfinite(value) or value < 0:
+        if not _finite(value) or value < 0:
             raise WireError(f"{self._where}: '{name}' must be finite and >= 0")
         return float(value)
 
@@ -99,6 +102,14 @@ class Fields:
             raise WireError(f"{self._where}: unknown field(s) {', '.join(unknown)}")
 
 
+def _finite(value: float) -> bool:
+    """Finite as a float: JSON ints past float's range (10**400) are not (math.isfinite and
+    float() raise OverflowError on them)."""
+    if isinstance(value, int):
+        return abs(value) <= F64_MAX
+    return math.isfinite(value)
+
+
 def _kind(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
@@ -109,7 +120,7 @@ def loads(raw: bytes, where: str) -> object:
         return {}
     try:
         return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, huge ints, deep nesting
         raise WireError(f"{where}: not valid UTF-8 JSON ({exc})") from None
 
 
@@ -207,7 +218,7 @@ def metrics(value: object, where: str) -> dict[str, float]:
     for key, number in value.items():
         if len(key) > 64 or isinstance(number, bool) or not isinstance(number, (int, float)):
             raise WireError(f"{where}: '{key[:64]}' must be a number (names up to 64 chars)")
-        if not math.isfinite(number):
+        if not _finite(number):
             raise WireError(f"{where}: '{key[:64]}' must be finite")
         out[key] = float(number)
     return out

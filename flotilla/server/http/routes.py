@@ -25,6 +25,23 @@ from flotilla.server.metrics import PrometheusMetrics
 SOURCE = "request body"
 
 
+def spec_from_body(raw: bytes, job: str | None) -> JobSpec:
+    """The one job a submit request's body (job file TOML) describes; ``job`` picks one of a
+    ``[[jobs]]`` file. A function of the bytes alone, so the fuzz harness runs it as is."""
+    if not raw.strip():
+        raise SpecError(f"{SOURCE}: empty: send the job spec TOML as the body")
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        raise WireError("the body must be UTF-8 TOML text") from None
+    specs = job_specs_from_text(text, SOURCE, job)
+    if len(specs) > 1:
+        names = ", ".join(s.job.name for s in specs)
+        raise SpecError(f"{SOURCE}: it describes {len(specs)} jobs ({names}): pick one ?job=NAME")
+    (spec,) = specs
+    return spec
+
+
 @dataclass(frozen=True, slots=True)
 class ServerRoutes:
     federation: Federation
@@ -36,20 +53,7 @@ class ServerRoutes:
     write_timeout_s: float = 15.0
 
     async def submit(self, request: web.Request) -> web.Response:
-        raw = await request.read()
-        if not raw.strip():
-            raise SpecError(f"{SOURCE}: empty: send the job spec TOML as the body")
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError:
-            raise WireError("the body must be UTF-8 TOML text") from None
-        specs = job_specs_from_text(text, SOURCE, request.query.get("job"))
-        if len(specs) > 1:
-            names = ", ".join(s.job.name for s in specs)
-            raise SpecError(
-                f"{SOURCE}: it describes {len(specs)} jobs ({names}): pick one ?job=NAME"
-            )
-        (spec,) = specs
+        spec = spec_from_body(await request.read(), request.query.get("job"))
         job = await self.federation.submit_job(spec.to_json())
         return json_response(render.dumps(render.job_json(job_view(job, spec.job.task))), 201)
 
