@@ -19,7 +19,7 @@ from flotilla.secagg import SecAggMessageError
 from flotilla.secagg import messages as msg
 from flotilla.secagg.shamir import Share
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.fuzz, pytest.mark.xdist_group("fuzz"), pytest.mark.timeout(300)]
 
 EXAMPLES = int(os.environ.get("FLOTILLA_FUZZ_EXAMPLES", "10000"))
 _SHARE = Share(7, 2**500 + 3)
