@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 
 from flotilla.aggregation import SecurelySummed
-from flotilla.core.errors import FlotillaError, SpecError, UpdateRejected
+from flotilla.core.errors import FlotillaError, SpecError
 from flotilla.core.events import failure_reason
 from flotilla.core.flat import flat_length, unflatten
 from flotilla.core.records import ParticipationRecord
@@ -27,6 +27,7 @@ from flotilla.core.round_config import SecurePlan
 from flotilla.engine.backend import Delivered, Failed, ResultStream, TrainTask
 from flotilla.engine.context import RoundContext
 from flotilla.engine.stages import DeviceKeys, StageExchange
+from flotilla.engine.sync_round import commit_or_roll_back
 from flotilla.engine.tally import RoundTally, grant_decisions, next_result
 from flotilla.secagg import MaskedSum, SecAggAborted, SecAggConfig, Session, Stage
 
@@ -140,17 +141,9 @@ class SecureRounds:
             f"unmasked the sum of {len(masked.survivors)} of {len(lease.devices)} "
             f"(total weight {masked.total_weight})"
         )
-        try:
-            _fold(ctx, exchange, masked, task)
-            await ctx.commit(round_no, started, tally, rate)
-        except UpdateRejected as exc:
-            await ctx.rollback()
-            ctx.refused(round_no, exc)
-            return False
-        except BaseException:
-            await ctx.rollback()
-            raise
-        return True
+        return await commit_or_roll_back(
+            ctx, round_no, started, tally, rate, lambda: _fold(ctx, exchange, masked, task)
+        )
 
 
 async def _stages(ctx: RoundContext, exchange: StageExchange, task: TrainTask) -> MaskedSum:

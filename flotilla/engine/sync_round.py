@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from flotilla.core.errors import UpdateRejected
 from flotilla.engine.backend import ResultStream, TrainTask
@@ -64,16 +65,31 @@ class SyncRounds:
             await ctx.rollback()
             ctx.retried(round_no, "quorum")
             return False
-        try:
-            await ctx.commit(round_no, started, tally, rate)
-        except UpdateRejected as exc:
-            await ctx.rollback()
-            ctx.refused(round_no, exc)
-            return False
-        except BaseException:
-            await ctx.rollback()
-            raise
-        return True
+        return await commit_or_roll_back(ctx, round_no, started, tally, rate)
+
+
+async def commit_or_roll_back(
+    ctx: RoundContext,
+    round_no: int,
+    started: float,
+    tally: RoundTally,
+    rate: float,
+    fold: Callable[[], None] = lambda: None,
+) -> bool:
+    """``fold`` (what is left to add to the aggregate), then commit the round; whatever
+    fails on the way rolls the aggregator back (a refused aggregate: False, and the round
+    is retried; anything else propagates)."""
+    try:
+        fold()
+        await ctx.commit(round_no, started, tally, rate)
+    except UpdateRejected as exc:
+        await ctx.rollback()
+        ctx.refused(round_no, exc)
+        return False
+    except BaseException:
+        await ctx.rollback()
+        raise
+    return True
 
 
 async def _collect(
