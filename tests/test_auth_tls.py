@@ -152,6 +152,17 @@ def _agent_calls(live: LiveServer, t: Target) -> dict[str, Callable[[Any], Any]]
             metadata=md,
             timeout=10,
         ),
+        "SecAgg": lambda md: a.SecAgg(
+            pb.SecAggRequest(
+                job_id=t.job_id,
+                round=t.task.round,
+                round_token=t.task.round_token,
+                stage=1,
+                body=b"FSA",
+            ),
+            metadata=md,
+            timeout=10,
+        ),
     }
 
 
