@@ -4,6 +4,7 @@ as separate processes, real hivemind peers on 127.0.0.1, the char LM on stdlib d
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -16,8 +17,13 @@ from typing import Any
 import psutil
 import pytest
 
-from flotilla.tasks.charlm import CharLMTask
+from flotilla.tasks.charlm import VOCAB, CharLMTask
 from tests.support.lifetime import bound
+
+#: A model that learned nothing predicts every character alike: its loss is ln(VOCAB)
+#: (4.56). A volunteer that started from the swarm's state is well below it, even on the
+#: one noisy step a late joiner may get in an epoch.
+LEARNED_LOSS = math.log(VOCAB) - 0.3
 
 # Hivemind swarms are timing-bound: the tests of one group run one at a time on one worker
 # (volunteer runs in one group, server-coordinated and all-reduce rounds in the other).
@@ -171,7 +177,7 @@ def test_four_volunteers_train_survive_kills_catch_up_late_and_resume_after_all_
     joined = json.loads(out.strip().splitlines()[-1])
     assert joined["first_epoch"] >= epoch_now - 1 >= 2, (joined, peers.log("late"))
     assert joined["last_epoch"] >= joined["first_epoch"] + 2
-    assert min(joined["epoch_losses"].values()) < 4.0  # not the ~4.6 of a fresh model
+    assert min(joined["epoch_losses"].values()) < LEARNED_LOSS, joined  # not a fresh model
 
     status = _wait(
         "five epochs of loss history",
@@ -201,7 +207,7 @@ def test_four_volunteers_train_survive_kills_catch_up_late_and_resume_after_all_
         out, _ = proc.communicate(timeout=240)
         report = json.loads(out.strip().splitlines()[-1])
         assert report["first_epoch"] >= checkpoint, (report, peers.log(f"b{i}"))
-        assert min(report["epoch_losses"].values()) < 4.0, report
+        assert min(report["epoch_losses"].values()) < LEARNED_LOSS, report
 
 
 @pytest.mark.timeout(300)

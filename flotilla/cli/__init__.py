@@ -191,7 +191,7 @@ def _server_parser(commands: Any) -> None:
     server.add_argument(
         "--rate-limit", action="append", default=[], metavar="KIND=RATE/BURST",
         help="per-device poll or upload, per-address enrol: calls per second and burst "
-        "(defaults poll=10/50, upload=2/20, enrol=20/200); repeatable",
+        "(defaults poll=10/50, upload=10/50, enrol=20/200); repeatable",
     )  # fmt: skip
     server.add_argument(
         "--max-connections", type=int, default=None, metavar="N",

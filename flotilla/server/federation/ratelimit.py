@@ -28,8 +28,11 @@ class RateLimits:
     #: Per client address: a whole lab of devices behind one NAT enrols at once.
     enrols_per_s: float = 20.0
     enrol_burst: int = 200
-    uploads_per_s: float = 2.0
-    upload_burst: int = 20
+    #: As many as polls: an honest device uploads at most once per task a poll gave it,
+    #: and on a fast network with a small model a round takes well under a second (a
+    #: lower rate throttled honest agents serving many short jobs).
+    uploads_per_s: float = 10.0
+    upload_burst: int = 50
     #: Connections one address may hold open at once on the HTTP edge.
     http_connections_per_address: int = 256
     #: Calls one peer address may have in flight at once on the gRPC edge.
