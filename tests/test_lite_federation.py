@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.base_venv import BaseVenv
 from tests.support.lifetime import bound
-from tests.support.processes import AgentFleet, ServerProcess, flotilla
+from tests.support.processes import AgentFleet, ServerProcess, flotilla, terminate_all
 
 # One worker holds the session's base-install venv (made once, ~10 s) for every test using it.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.xdist_group("base-venv")]
@@ -74,13 +74,7 @@ def test_lite_clients_and_agents_train_one_job_to_the_target(
         assert len(with_lite) > len(rounds) / 2, rounds
         assert all(p.poll() is None for p in lites), "a lite client died"
     finally:
-        for p in lites:
-            p.terminate()
-        for p in lites:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        terminate_all(lites)
 
 
 def test_a_refused_token_stops_the_lite_client_at_once(

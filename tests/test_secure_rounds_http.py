@@ -22,7 +22,7 @@ from flotilla.mobile.lite.rounds import LiteTrainer
 from flotilla.mobile.lite.state import LiteState
 from flotilla.secagg import SecAggConfig, SecAggDevice, SecAggRefused, Session, Stage
 from tests.support.lifetime import bound
-from tests.support.processes import AgentFleet, ServerProcess, flotilla
+from tests.support.processes import AgentFleet, ServerProcess, flotilla, terminate_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -41,6 +41,14 @@ def _lite(server: ServerProcess, token: str, shard: Path, state: Path) -> subpro
     return subprocess.Popen(bound(cmd), stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
+def _shard(index: int, tmp_path: Path) -> Path:
+    """Device ``index``'s digits shard, written by ``flotilla data shard``."""
+    shard = tmp_path / f"shard{index}.npz"
+    flotilla("data", "shard", "--task", DIGITS, "--shard", f"{index}/{DEVICES}", "--alpha", "0.5",
+             "--out", str(shard))  # fmt: skip
+    return shard
+
+
 def test_lite_devices_and_agents_run_secure_rounds_together(
     server: ServerProcess, fleet: AgentFleet, digits_spec: Path, tmp_path: Path
 ) -> None:
@@ -48,9 +56,7 @@ def test_lite_devices_and_agents_run_secure_rounds_together(
     token = server.token()
     lites = []
     for i in range(AGENTS, DEVICES):
-        shard = tmp_path / f"shard{i}.npz"
-        flotilla("data", "shard", "--task", DIGITS, "--shard", f"{i}/{DEVICES}", "--alpha", "0.5",
-                 "--out", str(shard))  # fmt: skip
+        shard = _shard(i, tmp_path)
         lites.append(_lite(server, token, shard, tmp_path / f"lite{i}"))
     try:
         server.wait_devices(DEVICES, timeout=90)
@@ -74,13 +80,7 @@ def test_lite_devices_and_agents_run_secure_rounds_together(
             assert lite_ids <= set(r["participants"]), r
         assert all(p.poll() is None for p in lites), "a lite client died"
     finally:
-        for p in lites:
-            p.terminate()
-        for p in lites:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        terminate_all(lites)
 
 
 class StopsAfterMasking(SecAggDevice):
@@ -139,9 +139,7 @@ def test_three_http_devices_stop_after_masking_and_the_round_still_unmasks(
     stop = threading.Event()
     threads = []
     for n, i in enumerate(range(AGENTS, DEVICES)):
-        shard = tmp_path / f"shard{i}.npz"
-        flotilla("data", "shard", "--task", DIGITS, "--shard", f"{i}/{DEVICES}", "--alpha", "0.5",
-                 "--out", str(shard))  # fmt: skip
+        shard = _shard(i, tmp_path)
         device = _lite_device(server, token, shard, tmp_path / f"lite{i}", factory(n))
         thread = threading.Thread(target=device.run, args=(token, stop), daemon=True)
         thread.start()

@@ -203,3 +203,14 @@ class AgentFleet:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def terminate_all(procs: list[subprocess.Popen[str]], wait_s: float = 20.0) -> None:
+    """SIGTERM every process, then wait for each, killing what outlives ``wait_s``."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
