@@ -33,40 +33,32 @@ Stdout carries exactly one JSON object; a summary goes to stderr.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
 import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-# benchmarks/http.py sits beside this script: with this folder first on sys.path (Python
-# puts a script's folder there), `import http` -- the stdlib's, which aiohttp imports --
-# would load it. Move the folder to the end: the stdlib wins, and edge_devices,
-# federation and provenance still import from here.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
+import aiohttp
+import grpc
+from edge_devices import Fleet, GrpcFleet, HttpFleet, SharedUpdate
+from federation import CpuClock, Process, flotilla_cli
+from provenance import revision
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import random  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
-
-import aiohttp  # noqa: E402
-import grpc  # noqa: E402
-from edge_devices import Fleet, GrpcFleet, HttpFleet, SharedUpdate  # noqa: E402
-from federation import CpuClock, Process, flotilla_cli  # noqa: E402
-from provenance import revision  # noqa: E402
-
-from flotilla.cli.remote import RemoteServer  # noqa: E402
-from flotilla.core.device import DeviceProfile  # noqa: E402
-from flotilla.core.spec import JobSpec  # noqa: E402
-from flotilla.core.work import DeviceCredential, RoundRef  # noqa: E402
+from flotilla.cli.remote import RemoteServer
+from flotilla.core.device import DeviceProfile
+from flotilla.core.spec import JobSpec
+from flotilla.core.work import DeviceCredential, RoundRef
 
 TASK = "flotilla.tasks.synthetic:Linear100K"
 P99_OVERHEAD_LIMIT_MS = 250.0

@@ -154,6 +154,20 @@ async def test_a_poll_with_nothing_to_do_returns_none_after_its_hold(gw: Gateway
     assert 0.04 <= loop.time() - start < 1.0
 
 
+async def test_a_stopping_server_answers_held_polls_at_once_and_every_later_one(
+    gw: Gateway,
+) -> None:
+    """SIGTERM: devices hear "no work" from the server rather than from a cut connection."""
+    held = asyncio.create_task(gw.poll("a", hold_s=30.0))
+    await asyncio.sleep(0.01)
+    gw.close()
+    assert await asyncio.wait_for(held, 1.0) is None
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    assert await gw.poll("b", hold_s=30.0) is None
+    assert loop.time() - start < 0.5
+
+
 # --- uploads and verdicts -----------------------------------------------------------------------
 
 

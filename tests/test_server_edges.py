@@ -60,6 +60,8 @@ def _flotilla_errors() -> list[type[errors.FlotillaError]]:
         (errors.JobStateError, grpc.StatusCode.FAILED_PRECONDITION),
         (errors.BudgetExhausted, grpc.StatusCode.FAILED_PRECONDITION),
         (errors.FlotillaError, grpc.StatusCode.FAILED_PRECONDITION),
+        # A database restarting or a full disk: the agent backs off and tries again.
+        (errors.StorageUnavailable, grpc.StatusCode.UNAVAILABLE),
     ],
 )
 def test_each_error_reaches_clients_as_the_status_they_match_on(

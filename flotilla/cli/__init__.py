@@ -11,6 +11,7 @@ runs, so ``flotilla --help`` loads neither grpc nor the database stack.
 - ``watch``, ``plot``: ``job status --watch`` and ``job plot``.
 - ``export``: ``job export --format executorch`` (an on-device training program).
 - ``data``: ``flotilla data shard``, a device's shard as a file (for ``flotilla-lite``).
+- ``bench``: ``flotilla bench load``, a load run against a fresh server (``loadgen``).
 - ``console``: where log lines go (short on the console, details at ``-v`` or in
   ``--log-file``), clear of progress bars.
 """
@@ -26,6 +27,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from flotilla.cli.bench import add_bench_parser
 from flotilla.cli.console import setup_logging
 from flotilla.cli.data import add_data_parser
 from flotilla.cli.limits import rate_limits
@@ -77,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_job_parser(commands)
     add_devices_parser(commands)
     add_data_parser(commands)
+    add_bench_parser(commands)
     demo = commands.add_parser("demo", help="a real local federation: server, 8 agents, 2 jobs")
     demo.add_argument("--agents", type=int, default=8)
     demo.add_argument("--rounds", type=int, default=20)

@@ -26,8 +26,8 @@ _ERRORS: dict[grpc.StatusCode, type[FlotillaError]] = {
     grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.INVALID_ARGUMENT: SpecError,
 }
-#: Codes that mean no server answered: nothing listens there, TLS on one side only, or no
-#: answer in time. Not in ``_ERRORS``: no server sends them on purpose.
+#: Codes that mean try again later: nothing listens there, TLS on one side only, no answer
+#: in time, or the server's database or disk is out for now (its StorageUnavailable).
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 

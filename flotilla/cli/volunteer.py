@@ -88,8 +88,8 @@ def _join(args: argparse.Namespace) -> int:
     if missing:
         print(f"error: flotilla volunteer needs {', '.join(missing)}", file=sys.stderr)
         return 2
+    from flotilla.core.lifetime import stop_on_signals
     from flotilla.p2p import VolunteerOptions, run_volunteer
-    from flotilla.p2p.lifetime import stop_on_signals
 
     options = VolunteerOptions(
         run=args.run,
@@ -126,8 +126,8 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _coordinate(args: argparse.Namespace) -> int:
+    from flotilla.core.lifetime import end_with_parent, stop_on_signals
     from flotilla.p2p import Coordinator, CoordinatorOptions
-    from flotilla.p2p.lifetime import end_with_parent, stop_on_signals
 
     state_dir = args.state_dir or Path.cwd() / f"flotilla-run-{args.run}"
     record = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -10,7 +11,14 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from flotilla.core.blobs import CHUNK_BYTES, sha256_hex
-from flotilla.core.errors import IntegrityError, NotFoundError
+from flotilla.core.errors import IntegrityError, NotFoundError, StorageUnavailable
+
+#: A write that failed for want of space: nothing is wrong with the blob, retry later.
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def _unavailable(exc: OSError) -> StorageUnavailable:
+    return StorageUnavailable(f"disk full: {exc.strerror} ({exc.filename or 'blob store'})")
 
 
 class BlobStore:
@@ -44,7 +52,12 @@ class BlobStore:
         model-sized buffer first.
         """
         digest = hashlib.sha256()
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+        except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                raise _unavailable(exc) from exc
+            raise
         try:
             with os.fdopen(fd, "wb") as fh:
                 for part in parts:
@@ -59,6 +72,11 @@ class BlobStore:
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(tmp, target)
+        except OSError as exc:
+            Path(tmp).unlink(missing_ok=True)
+            if exc.errno in _DISK_FULL:
+                raise _unavailable(exc) from exc
+            raise
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

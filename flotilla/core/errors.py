@@ -13,7 +13,8 @@
     │   └── ForbiddenError   right credentials, but not allowed to do this (a read token)
     ├── NotFoundError        an unknown job, device or blob
     ├── Unreachable          the server is away, busy or too slow: worth trying again
-    │   └── RateLimited      this caller sent too much too fast: wait retry_after_s
+    │   ├── RateLimited      this caller sent too much too fast: wait retry_after_s
+    │   └── StorageUnavailable  the database or the disk cannot take writes now
     ├── TaskLoadError        a task entry point cannot be imported
     ├── ConflictError        a write that contradicts what is stored
     │   ├── RoundConflict    a round commit out of order, repeated, or on a finished job
@@ -84,6 +85,12 @@ class RateLimited(Unreachable):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class StorageUnavailable(Unreachable):
+    """The database is unreachable (restarting, connection lost) or the disk is full: the
+    call did not happen, or its outcome is unknown. Retry later; the server itself resumes
+    each job from its last committed round once storage is back."""
 
 
 class TaskLoadError(FlotillaError, ImportError):

@@ -191,6 +191,8 @@ class RoundCommit:
     #: Blob of the scheduler's history of this job's devices after this round.
     scheduler_sha256: str = ""
     account: RoundAccount = field(default_factory=RoundAccount)
+    #: Bytes of the checkpoint blob (0: unknown), so its row can be checked against it.
+    checkpoint_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,9 @@ class Timeouts:
 
     #: Calls in flight when the server stops get this long to finish.
     server_stop_s: float = 1.0
+    #: After the database or the disk failed a job (restart, full disk), the server retries,
+    #: doubling its pause up to this, and resumes the job from its last committed round.
+    outage_backoff_max_s: float = 30.0
 
     # --- child processes and peers -----------------------------------------------------
     #: A hosted child (rendezvous, volunteer coordinator) must be ready within this.

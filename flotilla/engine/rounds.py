@@ -347,7 +347,7 @@ class JobRunner:
         metrics: dict[str, float] = {**tally.schedule, **tally.metrics}
         if isinstance(aggregator, PrivacyBudgeted):
             metrics["epsilon"] = aggregator.spend(rate)
-        sha, agg_sha = await asyncio.to_thread(self._write_checkpoint, new_model)
+        sha, size, agg_sha = await asyncio.to_thread(self._write_checkpoint, new_model)
         if expect_sha256 and sha != expect_sha256:
             raise UpdateRejected(f"checkpoint {sha[:12]} is not the agreed {expect_sha256[:12]}")
         sched_sha = await asyncio.to_thread(self.services.blobs.put, self._scheduling_state())
@@ -358,6 +358,7 @@ class JobRunner:
             job_id=self._job.id,
             round=round_no,
             checkpoint_sha256=sha,
+            checkpoint_size=size,
             metrics=metrics,
             started_at=started,
             committed_at=self.clock(),
@@ -391,11 +392,14 @@ class JobRunner:
         log.info("job %s round %d/%d committed%s", job.id, round_no, job.rounds_total, headline)
         log.debug("job %s round %d metrics: %s", job.id, round_no, metrics)
 
-    def _write_checkpoint(self, new_model: ModelState) -> tuple[str, str]:
+    def _write_checkpoint(self, new_model: ModelState) -> tuple[str, int, str]:
+        """The checkpoint's SHA-256 and size, and the aggregator state's SHA-256."""
         blobs = self.services.blobs
         state = self.aggregator.state()
         agg_sha = blobs.put_parts(encode_state_parts(state)) if state else ""
-        return blobs.put_parts(encode_state_parts(new_model)), agg_sha
+        parts = encode_state_parts(new_model)
+        size = sum(memoryview(p).nbytes for p in parts)
+        return blobs.put_parts(parts), size, agg_sha
 
     async def _prepare_broadcast(self) -> None:
         """What devices download for the current checkpoint (encoded once per model)."""

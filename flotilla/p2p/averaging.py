@@ -52,8 +52,8 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import amap_in_executor
 
 from flotilla.core.errors import FlotillaError
+from flotilla.core.lifetime import die_with_parent
 from flotilla.core.timeouts import Timeouts
-from flotilla.p2p.lifetime import die_with_parent
 
 VERDICT_SUFFIX = b".flotilla-verdict"
 log = logging.getLogger(__name__)

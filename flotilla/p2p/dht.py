@@ -26,8 +26,8 @@ from hivemind.dht.schema import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
 from flotilla.core.errors import RunRecordError
+from flotilla.core.lifetime import die_with_parent
 from flotilla.core.timeouts import Timeouts
-from flotilla.p2p.lifetime import die_with_parent
 from flotilla.p2p.record import RunRecord, SignedRecord, verify_record
 
 #: Where a peer listens unless told otherwise: loopback only.
@@ -57,7 +57,7 @@ def progress_key(run: str) -> str:
 
 
 class WorkerDHT(hivemind.DHT):  # type: ignore[misc]
-    """A hivemind DHT whose worker process ends with its parent (flotilla.p2p.lifetime) and
+    """A hivemind DHT whose worker process ends with its parent (flotilla.core.lifetime) and
     survives requests it cannot read (:class:`RequestPipe`)."""
 
     _inner_pipe: Any

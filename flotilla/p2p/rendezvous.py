@@ -24,8 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--announce-maddrs", nargs="+", default=None)
     args = parser.parse_args(argv)
 
+    from flotilla.core.lifetime import end_with_parent, stop_on_signals
     from flotilla.p2p.dht import start_dht, visible_maddrs
-    from flotilla.p2p.lifetime import end_with_parent, stop_on_signals
 
     end_with_parent()  # only ever a server's child
     stop = stop_on_signals()

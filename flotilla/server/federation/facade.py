@@ -117,7 +117,9 @@ class Federation:
             events=self._events,
             keys=self._devices,
         )
-        self._jobs = Jobs(services, store, tasks, config.state_dir)
+        self._jobs = Jobs(
+            services, store, tasks, config.state_dir, config.timeouts.outage_backoff_max_s
+        )
         self._download_slots = asyncio.Semaphore(config.download_slots)
         self._limits = RateLimiter(config.rate_limits)
         #: Operator-API tokens seen valid, as (hash, scope): tokens are never revoked, so a
@@ -132,6 +134,7 @@ class Federation:
 
     async def close(self) -> None:
         await self._jobs.stop()
+        self._gateway.close()
         await self._arbiter.close()
         await self._refusals.close()
 

@@ -91,6 +91,16 @@ class Gateway:
     #: Every job that had a round here: a job id a device names is only trusted (as a
     #: metric label, say) when it is one of these.
     _jobs: set[str] = field(default_factory=set)
+    #: Set by :meth:`close`: the server is stopping, polls are answered at once.
+    _closed: bool = False
+
+    def close(self) -> None:
+        """The server is stopping (its jobs' runners are stopped, their rounds closed):
+        answer every held poll now, and every later one at once, with no work, so devices
+        hear it from the server instead of from a cut connection."""
+        self._closed = True
+        for wakeup in self._wakeups.values():
+            wakeup.set()
 
     def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> RoundStream:
         """Offer the task now (so the devices stay claimed); results stream until closed."""
@@ -127,7 +137,7 @@ class Gateway:
         """Wait up to ``hold_s`` for work. A polling agent is idle by its own account."""
         self._abandon(device_id)
         offer = self._offers.pop(device_id, None)
-        if offer is None:
+        if offer is None and not self._closed:
             wakeup = self._wakeup(device_id)
             wakeup.clear()
             try:

@@ -10,10 +10,17 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from flotilla.core.eligibility import EligibilitySection
-from flotilla.core.errors import FlotillaError, NotFoundError, SpecError, TaskLoadError
+from flotilla.core.errors import (
+    FlotillaError,
+    NotFoundError,
+    SpecError,
+    StorageUnavailable,
+    TaskLoadError,
+)
 from flotilla.core.events import EventSink, Fanout, JobChanged
-from flotilla.core.records import JobRecord
+from flotilla.core.records import RESUMABLE_STATES, JobRecord
 from flotilla.core.spec import JobSpec
+from flotilla.core.timeouts import Timeouts
 from flotilla.engine import (
     EngineServices,
     TaskRuntime,
@@ -29,12 +36,20 @@ from flotilla.server.federation.store import Store
 
 log = logging.getLogger(__name__)
 
+#: The first pause after a storage outage stopped a job; each further failure doubles it.
+OUTAGE_FIRST_DELAY_S = 0.5
+
 
 class Jobs:
     """Owns one running task per unfinished job; the store is the record of truth."""
 
     def __init__(
-        self, services: EngineServices, store: Store, tasks: TaskRuntime, state_dir: Path
+        self,
+        services: EngineServices,
+        store: Store,
+        tasks: TaskRuntime,
+        state_dir: Path,
+        outage_max_s: float = Timeouts().outage_backoff_max_s,
     ) -> None:
         """Job state changes the runners do not make (submitted, failed, cancelled) go to
         ``services.events``, as the runners' own do."""
@@ -43,6 +58,7 @@ class Jobs:
         self._store = store
         self._tasks = tasks
         self._state_dir = state_dir
+        self._outage_max_s = outage_max_s
         self._runners: dict[str, asyncio.Task[None]] = {}
         #: Running jobs' task and ``[eligibility]``, for device listings.
         self._policies: dict[str, tuple[str, EligibilitySection]] = {}
@@ -119,6 +135,23 @@ class Jobs:
             await self._store.set_job_state(job_id, "failed")
             self._events.emit(JobChanged(job_id, "failed"))
 
+    async def _after_outage(self, job_id: str, exc: StorageUnavailable, outages: int) -> JobRecord:
+        """Wait (doubling, up to ``Timeouts.outage_backoff_max_s``) until the store answers
+        again; the job as it now stands. Its round in flight is lost, never half-committed:
+        the runner starts again from the last round the store committed, so a commit whose
+        answer the outage swallowed is not repeated."""
+        delay = min(self._outage_max_s, OUTAGE_FIRST_DELAY_S * 2 ** (outages - 1))
+        while True:
+            log.warning(
+                "job %s paused: %s; resuming from its last committed round in %.1fs",
+                job_id, exc, delay,
+            )  # fmt: skip
+            await asyncio.sleep(delay)
+            try:
+                return await self.get(job_id)
+            except StorageUnavailable as again:
+                exc, delay = again, min(self._outage_max_s, delay * 2)
+
     def _start_runner(self, job: JobRecord) -> None:
         task = asyncio.ensure_future(self._run_job(job))
         self._runners[job.id] = task
@@ -130,9 +163,16 @@ class Jobs:
             self._policies[job_id] = (spec.job.task, spec.eligibility)
             # Importing a task (torch, data) takes seconds: keep it off the event loop.
             evaluator = await asyncio.to_thread(self._tasks.evaluator, spec)
-            rng = selection_rng(spec.job.seed)
             spool = self._state_dir / "spool" / job.id
-            await build_runner(job, spec, self._services, rng, evaluator, spool).run()
+            outages = 0
+            while job.state in RESUMABLE_STATES:
+                try:
+                    rng = selection_rng(spec.job.seed)
+                    await build_runner(job, spec, self._services, rng, evaluator, spool).run()
+                    return
+                except StorageUnavailable as exc:
+                    outages += 1
+                    job = await self._after_outage(job_id, exc, outages)
         except asyncio.CancelledError:
             raise
         except FlotillaError as exc:

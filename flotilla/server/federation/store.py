@@ -9,7 +9,8 @@ under a row lock on the job (PostgreSQL) or a write lock on the file (SQLite).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from pathlib import Path
 from types import TracebackType
@@ -19,12 +20,14 @@ from sqlalchemy import event, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL, Connection, make_url
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
+    AsyncSession,
     async_sessionmaker,
     create_async_engine,
 )
+from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql.dml import Insert
 
 from flotilla.core.commit_rules import (
@@ -40,6 +43,7 @@ from flotilla.core.errors import (
     JobStateError,
     NotFoundError,
     RoundConflict,
+    StorageUnavailable,
 )
 from flotilla.core.records import (
     RESUMABLE_STATES,
@@ -203,6 +207,32 @@ def _participation_record(row: ParticipationRow) -> ParticipationRecord:
     )
 
 
+def _transient(exc: DBAPIError) -> bool:
+    """A connection that failed or was lost, a database shutting down, a full disk or a
+    lock held past the busy timeout: the database, not the statement, is the problem."""
+    return exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError)
+
+
+@asynccontextmanager
+async def _storage_errors() -> AsyncIterator[None]:
+    try:
+        yield
+    except DBAPIError as exc:
+        if not _transient(exc):
+            raise
+        raise StorageUnavailable(f"database unavailable: {exc.orig or exc}") from exc
+    except OSError as exc:  # the driver's socket, before SQLAlchemy wraps it
+        raise StorageUnavailable(f"database unavailable: {exc}") from exc
+
+
+@asynccontextmanager
+async def _in_storage_errors(
+    inner: AbstractAsyncContextManager[AsyncSession],
+) -> AsyncIterator[AsyncSession]:
+    async with _storage_errors(), inner as session:
+        yield session
+
+
 class Store:
     """Async access to the server's tables; build one with :meth:`Store.open`."""
 
@@ -264,11 +294,25 @@ class Store:
         """``"sqlite"`` or ``"postgresql"``."""
         return self._dialect
 
+    def _writing(self) -> AbstractAsyncContextManager[AsyncSession]:
+        """A write transaction; a lost database connection or a full disk is raised as
+        :class:`StorageUnavailable` (the transaction rolled back, or its outcome unknown)."""
+        return _in_storage_errors(self._write.begin())
+
+    def _reading(self) -> AbstractAsyncContextManager[AsyncSession]:
+        return _in_storage_errors(self._read())
+
+    def connections_in_use(self) -> int:
+        """Database connections checked out of the pool right now: flat from round to round
+        under a steady load (growth is a leak; the resource-hygiene test watches it)."""
+        pool = self._engine.pool
+        return pool.checkedout() if isinstance(pool, QueuePool) else 0
+
     async def wipe(self) -> None:
         """Delete every row (the schema stays, as ``open`` left it): for tests that share one
         PostgreSQL database."""
         tables = [t.name for t in reversed(Base.metadata.sorted_tables)]
-        async with self._write_engine.begin() as conn:
+        async with _storage_errors(), self._write_engine.begin() as conn:
             if self._dialect == "postgresql":
                 await conn.exec_driver_sql(f"TRUNCATE TABLE {', '.join(tables)}")
             else:
@@ -290,7 +334,7 @@ class Store:
         until ``expires_at`` (None: never); returns its id (the hash's first hex digits)."""
         if uses is not None and uses < 1:
             raise ValueError(f"a token admits at least 1 enrolment, got {uses}")
-        async with self._write.begin() as s:
+        async with self._writing() as s:
             await s.execute(
                 self._insert_ignore(
                     EnrolTokenRow,
@@ -303,16 +347,16 @@ class Store:
         return token_hash[:TOKEN_ID_HEX]
 
     async def has_enrol_token(self, token_hash: str) -> bool:
-        async with self._read() as s:
+        async with self._reading() as s:
             return await s.get(EnrolTokenRow, token_hash) is not None
 
     async def enrol_token_state(self, token_hash: str, now: float) -> str:
         """What :func:`token_state` says of the token now (``unknown`` for no such token)."""
-        async with self._read() as s:
+        async with self._reading() as s:
             return token_state(await s.get(EnrolTokenRow, token_hash), now)
 
     async def list_enrol_tokens(self, now: float) -> list[EnrolTokenRecord]:
-        async with self._read() as s:
+        async with self._reading() as s:
             rows = await s.scalars(
                 select(EnrolTokenRow).order_by(EnrolTokenRow.created_at, EnrolTokenRow.token_hash)
             )
@@ -337,7 +381,7 @@ class Store:
                 f"a token id is at least {TOKEN_ID_HEX} hex digits (see 'token list'), "
                 f"got {token_id!r}"
             )
-        async with self._write.begin() as s:
+        async with self._writing() as s:
             rows = list(
                 await s.scalars(
                     select(EnrolTokenRow)
@@ -364,7 +408,7 @@ class Store:
         """Store a token of the operator APIs; ``scope``: ``operator`` or ``read``."""
         if scope not in ("operator", "read"):
             raise ValueError(f"token scope must be operator or read, got {scope!r}")
-        async with self._write.begin() as s:
+        async with self._writing() as s:
             await s.execute(
                 self._insert_ignore(
                     OperatorTokenRow, token_hash=token_hash, created_at=time.time(), scope=scope
@@ -377,7 +421,7 @@ class Store:
 
     async def token_scope(self, token_hash: str) -> str | None:
         """The scope of an operator-API token (``operator`` or ``read``); None if unknown."""
-        async with self._read() as s:
+        async with self._reading() as s:
             row = await s.get(OperatorTokenRow, token_hash)
             return None if row is None else row.scope
 
@@ -404,7 +448,7 @@ class Store:
             revoked_at=device.revoked_at,
         )
         try:
-            async with self._write.begin() as s:
+            async with self._writing() as s:
                 if enrol_token_hash is not None:
                     token = await s.get(EnrolTokenRow, enrol_token_hash, with_for_update=True)
                     state = token_state(token, now)
@@ -417,17 +461,17 @@ class Store:
             raise ConflictError(f"device {device.id!r} is already enrolled") from exc
 
     async def get_device(self, device_id: str) -> DeviceRecord | None:
-        async with self._read() as s:
+        async with self._reading() as s:
             row = await s.get(DeviceRow, device_id)
             return None if row is None else _device_record(row)
 
     async def list_devices(self) -> list[DeviceRecord]:
-        async with self._read() as s:
+        async with self._reading() as s:
             rows = await s.scalars(select(DeviceRow).order_by(DeviceRow.enrolled_at, DeviceRow.id))
             return [_device_record(r) for r in rows]
 
     async def count_devices(self) -> int:
-        async with self._read() as s:
+        async with self._reading() as s:
             return int(await s.scalar(select(func.count()).select_from(DeviceRow)) or 0)
 
     async def update_device(
@@ -440,7 +484,7 @@ class Store:
         device_class: str | None = None,
     ) -> DeviceRecord:
         """Replace whichever fields are given; ``profile`` replaces the whole dict."""
-        async with self._write.begin() as s:
+        async with self._writing() as s:
             row = await s.get(DeviceRow, device_id, with_for_update=True)
             if row is None:
                 raise NotFoundError(f"unknown device {device_id!r}")
@@ -456,7 +500,7 @@ class Store:
 
     async def revoke_device(self, device_id: str, at: float) -> DeviceRecord:
         """Mark a device revoked at ``at``; revoking it again keeps the first time."""
-        async with self._write.begin() as s:
+        async with self._writing() as s:
             row = await s.get(DeviceRow, device_id, with_for_update=True)
             if row is None:
                 raise NotFoundError(f"unknown device {device_id!r}")
@@ -480,7 +524,7 @@ class Store:
             for r in refusals
         ]
         if rows:
-            async with self._write.begin() as s:
+            async with self._writing() as s:
                 s.add_all(rows)
 
     async def list_refusals(
@@ -492,7 +536,7 @@ class Store:
             stmt = stmt.where(RefusalRow.device_id == device_id)
         if job_id is not None:
             stmt = stmt.where(RefusalRow.job_id == job_id)
-        async with self._read() as s:
+        async with self._reading() as s:
             return [
                 RefusalRecord(r.at, r.device_id, r.job_id, r.round, r.reason, r.detail)
                 for r in await s.scalars(stmt)
@@ -516,25 +560,25 @@ class Store:
             metrics_json=_floats(job.metrics),
         )
         try:
-            async with self._write.begin() as s:
+            async with self._writing() as s:
                 s.add(row)
         except IntegrityError as exc:
             raise ConflictError(f"job {job.id!r} already exists") from exc
 
     async def get_job(self, job_id: str) -> JobRecord | None:
-        async with self._read() as s:
+        async with self._reading() as s:
             row = await s.get(JobRow, job_id)
             return None if row is None else _job_record(row)
 
     async def list_jobs(self) -> list[JobRecord]:
         """All jobs, oldest first."""
-        async with self._read() as s:
+        async with self._reading() as s:
             rows = await s.scalars(select(JobRow).order_by(JobRow.created_at, JobRow.id))
             return [_job_record(r) for r in rows]
 
     async def jobs_to_resume(self) -> list[JobRecord]:
         """Jobs a restarted server must pick up again (pending or running), oldest first."""
-        async with self._read() as s:
+        async with self._reading() as s:
             rows = await s.scalars(
                 select(JobRow)
                 .where(JobRow.state.in_(RESUMABLE_STATES))
@@ -545,7 +589,7 @@ class Store:
     async def set_job_state(self, job_id: str, state: str) -> JobRecord:
         """Move a job to ``state``; a finished job stays finished (:class:`JobStateError`)."""
         check_job_state(state)
-        async with self._write.begin() as s:
+        async with self._writing() as s:
             row = await s.get(JobRow, job_id, with_for_update=True)
             if row is None:
                 raise NotFoundError(f"unknown job {job_id!r}")
@@ -559,14 +603,14 @@ class Store:
 
     async def add_checkpoint(self, sha256: str, size_bytes: int) -> None:
         """Record a checkpoint blob; repeating it is harmless and fills in an unknown size."""
-        async with self._write.begin() as s:
+        async with self._writing() as s:
             await s.execute(
                 self._insert_ignore(
                     CheckpointRow, sha256=sha256, size_bytes=size_bytes, created_at=time.time()
                 )
             )
             if size_bytes > 0:
-                # commit_round registers blobs it has not seen with size 0 ("unknown").
+                # A commit that did not know a blob's size registered it with 0 ("unknown").
                 await s.execute(
                     update(CheckpointRow)
                     .where(CheckpointRow.sha256 == sha256, CheckpointRow.size_bytes == 0)
@@ -575,7 +619,7 @@ class Store:
 
     async def get_checkpoint_size(self, sha256: str) -> int | None:
         """Size in bytes of a known checkpoint (0 if unknown), or None if never recorded."""
-        async with self._read() as s:
+        async with self._reading() as s:
             row = await s.get(CheckpointRow, sha256)
             return None if row is None else row.size_bytes
 
@@ -591,7 +635,7 @@ class Store:
         check_commit(c)
         where = f"round {c.round} of job {c.job_id!r}"
         try:
-            async with self._write.begin() as s:
+            async with self._writing() as s:
                 # The row lock makes concurrent commits of one job queue up here; the loser
                 # then sees the winner's rounds_committed and is refused below.
                 job = await s.get(JobRow, c.job_id, with_for_update=True)
@@ -604,7 +648,7 @@ class Store:
                     self._insert_ignore(
                         CheckpointRow,
                         sha256=c.checkpoint_sha256,
-                        size_bytes=0,
+                        size_bytes=c.checkpoint_size,
                         created_at=c.committed_at,
                     )
                 )
@@ -651,7 +695,7 @@ class Store:
     async def list_rounds(self, job_id: str, after: int = 0) -> list[RoundRecord]:
         """Committed rounds of a job in order, each with its participants; with ``after``,
         only those numbered above it (what a reader that has the rest fetches)."""
-        async with self._read() as s:
+        async with self._reading() as s:
             rounds = (
                 await s.scalars(
                     select(RoundRow)
@@ -688,5 +732,5 @@ class Store:
         )
         if job_id is not None:
             stmt = stmt.where(ParticipationRow.job_id == job_id)
-        async with self._read() as s:
+        async with self._reading() as s:
             return [_participation_record(p) for p in await s.scalars(stmt)]

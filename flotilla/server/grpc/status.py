@@ -23,6 +23,7 @@ from flotilla.core.errors import (
     RateLimited,
     SpecError,
     StaleRoundError,
+    Unreachable,
     UpdateRejected,
     WireError,
 )
@@ -35,6 +36,8 @@ Context = grpc.aio.ServicerContext[Any, Any]
 STATUS: Mapping[type[BaseException], grpc.StatusCode] = {
     AuthError: grpc.StatusCode.UNAUTHENTICATED,
     RateLimited: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    # The database or disk is out for now (StorageUnavailable): the caller backs off.
+    Unreachable: grpc.StatusCode.UNAVAILABLE,
     # A revoked device: final, unlike a refused credential (which re-enrolment mends).
     ForbiddenError: grpc.StatusCode.PERMISSION_DENIED,
     NotFoundError: grpc.StatusCode.NOT_FOUND,

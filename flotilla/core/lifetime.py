@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 
 #: linux/prctl.h
 PR_SET_PDEATHSIG = 1
@@ -60,3 +62,17 @@ def stop_on_signals() -> threading.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handle)
     return stop
+
+
+#: ``setpriv --pdeathsig KILL`` (util-linux), when this machine has it.
+_SETPRIV = shutil.which("setpriv")
+
+
+def bound(argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that the kernel SIGKILLs it when the process starting it ends,
+    however that ends: ``setpriv --pdeathsig KILL`` execs the command in place (same pid).
+    Unlike a ``preexec_fn``, it lets ``subprocess`` use ``vfork``, which grpc's fork handlers
+    need in a parent with grpc threads. Without setpriv, ``argv`` as is."""
+    if _SETPRIV is None or not sys.platform.startswith("linux"):
+        return list(argv)
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]

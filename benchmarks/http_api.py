@@ -17,51 +17,44 @@ and the ones run here on the synthetic 100k-parameter task, 50 devices a round:
 Floors (reported, never an exit status): p99 of each read under 50 ms; 50 dashboards slow
 rounds by under 5%. Stdout carries exactly one JSON object; a summary goes to stderr.
 
-    python benchmarks/http.py --quick     # under 2 minutes
-    python benchmarks/http.py
+    python benchmarks/http_api.py --quick     # under 2 minutes
+    python benchmarks/http_api.py
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
-# This script is named http.py: with its folder first on sys.path (Python puts a script's
-# folder there), every `import http` -- the stdlib's, which aiohttp and urllib use -- would
-# load this file instead. Drop that entry before anything imports http.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import aiohttp
+from provenance import revision  # benchmarks/ is the script's sys.path[0]
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import contextlib  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-import aiohttp  # noqa: E402
-
-from flotilla.client import Agent, AgentConfig  # noqa: E402
-from flotilla.client.training import TrainOutcome, TrainWork  # noqa: E402
-from flotilla.core.blobs import sha256_hex  # noqa: E402
-from flotilla.core.device import DeviceProfile  # noqa: E402
-from flotilla.core.records import JobRecord, ParticipationRecord, RoundAccount, RoundCommit  # noqa: E402
-from flotilla.core.spec import JobSpec  # noqa: E402
-from flotilla.core.tensors import decode_state, encode_state  # noqa: E402
-from flotilla.core.timeouts import Timeouts  # noqa: E402
-from flotilla.engine import EngineConfig  # noqa: E402
-from flotilla.inprocess import InProcessTransport  # noqa: E402
-from flotilla.server.app import FederationServer, ServerConfig  # noqa: E402
-from flotilla.server.federation import auth  # noqa: E402
-from flotilla.server.federation.store import Store, default_url  # noqa: E402
-from flotilla.server.federation.tokens import create_read_token  # noqa: E402
+from flotilla.client import Agent, AgentConfig
+from flotilla.client.training import TrainOutcome, TrainWork
+from flotilla.core.blobs import sha256_hex
+from flotilla.core.device import DeviceProfile
+from flotilla.core.records import JobRecord, ParticipationRecord, RoundAccount, RoundCommit
+from flotilla.core.spec import JobSpec
+from flotilla.core.tensors import decode_state, encode_state
+from flotilla.core.timeouts import Timeouts
+from flotilla.engine import EngineConfig
+from flotilla.inprocess import InProcessTransport
+from flotilla.server.app import FederationServer, ServerConfig
+from flotilla.server.federation import auth
+from flotilla.server.federation.store import Store, default_url
+from flotilla.server.federation.tokens import create_read_token
 
 TASK = "flotilla.tasks.synthetic:Linear100K"
 P99_LIMIT_MS = 50.0
@@ -72,11 +65,7 @@ SEEDED_JOBS = 17
 
 
 def _provenance() -> dict[str, Any]:
-    spec = importlib.util.spec_from_file_location("provenance", _HERE / "provenance.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return dict(module.revision())
+    return revision()
 
 
 # --- agents --------------------------------------------------------------------------------

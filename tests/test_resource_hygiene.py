@@ -1,0 +1,73 @@
+"""Resources stay flat over many rounds: asyncio tasks, file descriptors, threads and
+database connections at round 60 are what they were at round 15.
+
+The server core and real agents share this process (in-process transport), so every count
+is this process's; each is the smallest of a few samples taken 0.1 s apart, so a task that
+lives for a heartbeat does not count as growth. Memory over a long run is the soak's
+(``benchmarks/load.py``, docs/load.md), where the server has a process of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.support.inproc import InProcessFederation, poll_until
+
+TASK = "flotilla.tasks.synthetic:Linear100K"
+ROUNDS = 80
+EARLY, LATE = 15, 60
+
+
+@dataclass(frozen=True)
+class Counts:
+    tasks: int
+    fds: int
+    threads: int
+    db_connections: int
+
+
+async def counts(fed: InProcessFederation) -> Counts:
+    proc = psutil.Process()
+    samples = []
+    for _ in range(5):
+        tasks, fds, threads = len(asyncio.all_tasks()), proc.num_fds(), threading.active_count()
+        samples.append(Counts(tasks, fds, threads, fed.store.connections_in_use()))
+        await asyncio.sleep(0.1)
+    return Counts(*(min(getattr(s, f) for s in samples) for f in Counts.__dataclass_fields__))
+
+
+async def at_round(fed: InProcessFederation, job_id: str, rounds: int) -> None:
+    async def reached() -> bool:
+        job = await fed.store.get_job(job_id)
+        return job is not None and job.rounds_committed >= rounds
+
+    assert await poll_until(reached, 300), f"round {rounds} not reached"
+
+
+@pytest.mark.timeout(400)
+async def test_tasks_fds_threads_and_db_connections_stay_flat_over_many_rounds(
+    in_process: InProcessFederation, tmp_path: Path
+) -> None:
+    await in_process.start_agents(6, task=TASK)
+    spec = tmp_path / "job.toml"
+    spec.write_text(
+        f'[job]\nname = "flat"\ntask = "{TASK}"\nrounds = {ROUNDS}\nclients_per_round = 4\n'
+        "min_quorum = 2\nround_deadline_s = 20.0\n"
+    )
+    job_id = await in_process.submit(spec)
+    await at_round(in_process, job_id, EARLY)
+    early = await counts(in_process)
+    await at_round(in_process, job_id, LATE)
+    late = await counts(in_process)
+    assert late.tasks <= early.tasks + 2, (early, late)
+    assert late.fds <= early.fds + 4, (early, late)
+    assert late.threads <= early.threads + 2, (early, late)
+    assert late.db_connections <= max(early.db_connections, 1), (early, late)
+    status = await in_process.wait_for(job_id, timeout=300)
+    assert status["state"] == "completed"
