@@ -218,10 +218,20 @@ def _participation_record(row: ParticipationRow) -> ParticipationRecord:
     )
 
 
+#: SQLSTATE classes of a database that is away, not of a wrong statement: connection
+#: exceptions, insufficient resources (a full disk, too many connections), operator
+#: intervention (shutting down, starting up).
+_OUTAGE_SQLSTATES = ("08", "53", "57")
+
+
 def _transient(exc: DBAPIError) -> bool:
-    """A connection that failed or was lost, a database shutting down, a full disk or a
-    lock held past the busy timeout: the database, not the statement, is the problem."""
-    return exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError)
+    """A connection that failed or was lost, a database shutting down or starting, a full
+    disk or a lock held past the busy timeout: the database, not the statement, is the
+    problem."""
+    if exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError):
+        return True
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    return isinstance(sqlstate, str) and sqlstate[:2] in _OUTAGE_SQLSTATES
 
 
 @asynccontextmanager
