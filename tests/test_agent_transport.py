@@ -588,3 +588,24 @@ def test_the_agent_and_its_seam_import_no_grpc_or_protobuf() -> None:
                 assert not module.startswith(("grpc", "flotilla.proto", "google")), (name, module)
                 if module == "flotilla.client.grpc_transport":
                     assert name == "agent.py" and node.col_offset > 0, "imported at module level"
+
+
+async def test_grpc_given_a_deployments_servers_moves_on_from_one_that_is_unreachable(
+    tmp_path: Path,
+) -> None:
+    """``--server A,B``: A is down, so the call to it fails (the agent backs off); the next
+    call goes to B, which answers. A standby answers UNAVAILABLE and is passed over alike."""
+    from tests.support.live_grpc import live_server
+
+    async with live_server(tmp_path / "state") as live:
+        token = await live.enrol_token()
+        transport = GrpcTransport(f"127.0.0.1:1,127.0.0.1:{live.port}")
+        try:
+            enrol = Enrol(token, DeviceProfile("", tasks=("x.y:T",)), timeout_s=5.0)
+            with pytest.raises(Unreachable):
+                await transport.send(enrol)
+            assert transport.server == f"127.0.0.1:{live.port}"
+            credential = await transport.send(enrol)
+            assert credential.device_id.startswith("dev-")
+        finally:
+            await transport.aclose()

@@ -53,6 +53,25 @@ async def test_an_http_device_enrols_polls_downloads_uploads_and_its_round_commi
         assert [(p.device_id, p.num_samples) for p in rows] == [(device.credential.device_id, 7)]
 
 
+async def test_an_http_device_given_two_servers_moves_on_from_one_that_is_down(
+    tmp_path: Path,
+) -> None:
+    """``--server A,B`` for a deployment: the call to the dead A fails as Unreachable, the
+    next goes to B and enrols (a standby's 503 is passed over the same way)."""
+    from flotilla.core.device import DeviceProfile
+    from flotilla.core.errors import Unreachable
+
+    sqlite = f"sqlite:///{tmp_path / 'state' / 'flotilla.db'}"
+    async with http_server(tmp_path / "state", sqlite) as s:
+        device = HttpDevice(f"http://127.0.0.1:1,{s.base}", timeouts=DEVICE_TIMEOUTS)
+        token = await s.fleet.enrol_token()
+        profile = DeviceProfile("", tasks=(DIGITS,), gflops=1.0)
+        with pytest.raises(Unreachable):
+            await off_loop(device.enrol, token, profile)
+        credential = await off_loop(device.enrol, token, profile)
+        assert credential.device_id.startswith("dev-")
+
+
 async def test_an_upload_cut_at_five_random_offsets_resumes_and_commits_once(
     db_url: str, tmp_path: Path
 ) -> None:

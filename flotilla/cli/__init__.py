@@ -204,6 +204,11 @@ def _server_parser(commands: Any) -> None:
         "--liveness", type=float, default=30.0, help="seconds before a silent device is dropped"
     )
     server.add_argument(
+        "--lease", type=float, default=Timeouts().leader_lease_s, metavar="SECONDS",
+        help="the deployment's leader lease: several servers on one --db and --state-dir "
+        "form one deployment; a standby takes over within 4/3 of this after the leader dies",
+    )  # fmt: skip
+    server.add_argument(
         "--poll-hold", type=float, default=Timeouts().poll_hold_s, metavar="SECONDS",
         help="how long a device's poll waits for work before it is answered empty (default "
         "%(default)s; at most half of --liveness): shorter behind proxies that cut idle "
@@ -247,6 +252,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise SpecError("--tls-cert and --tls-key go together")
     if not args.poll_hold >= 0:
         raise SpecError(f"--poll-hold must be 0 or more seconds, got {args.poll_hold}")
+    if not args.lease > 0:
+        raise SpecError(f"--lease must be more than 0 seconds, got {args.lease}")
     from flotilla.server.hosting.volunteers import VolunteerRunSpec
 
     single_threaded_blas()
@@ -262,7 +269,9 @@ def _serve(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         rate_limits=rate_limits(args.rate_limit, args.max_connections),
-        timeouts=Timeouts(liveness_s=args.liveness, poll_hold_s=args.poll_hold),
+        timeouts=Timeouts(
+            liveness_s=args.liveness, poll_hold_s=args.poll_hold, leader_lease_s=args.lease
+        ),
         http_port=None if args.no_http else args.http_port,
         http_host=args.http_host,
     )
@@ -289,7 +298,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _client_parser(commands: Any) -> None:
     client = commands.add_parser("client", help="run a client agent on this device")
-    client.add_argument("--server", required=True, help="HOST:PORT")
+    client.add_argument(
+        "--server", required=True,
+        help="HOST:PORT; several servers of one deployment, comma-separated, are tried in turn",
+    )  # fmt: skip
     client.add_argument("--token", required=True, help="enrolment token")
     client.add_argument("--task", required=True, help="task entry point, package.module:Name")
     client.add_argument("--shard", default="0/1", help="this device's shard, i/N")

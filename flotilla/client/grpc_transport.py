@@ -115,7 +115,12 @@ class _Connection:
 
 class GrpcTransport:
     """The agent's transport to ``flotilla server``; the channel opens at the first send
-    (inside the event loop that uses it) and again after :meth:`aclose`."""
+    (inside the event loop that uses it) and again after :meth:`aclose`.
+
+    ``server`` may name several servers of one deployment, ``HOST:PORT,HOST:PORT``: calls
+    go to one at a time, and after a call finds it unreachable (down, or a standby that
+    turns devices away) the next call goes to the next one, round the list.
+    """
 
     def __init__(
         self,
@@ -125,9 +130,17 @@ class GrpcTransport:
         tls_key: Path | None = None,
     ) -> None:
         """``tls_cert``/``tls_key``: the device's own certificate, for mutual TLS."""
-        self.server = server
+        self.servers = tuple(s.strip() for s in server.split(",") if s.strip())
+        if not self.servers:
+            raise ValueError("no server address given")
+        self._at = 0
         self._tls = (tls_ca, tls_cert, tls_key)
         self._conn: _Connection | None = None
+
+    @property
+    def server(self) -> str:
+        """The server calls go to now."""
+        return self.servers[self._at]
 
     async def send(self, request: Request[R]) -> R:
         known = closed_set(request)
@@ -136,8 +149,15 @@ class GrpcTransport:
         try:
             reply = await self._dispatch(self._conn, known)
         except grpc.aio.AioRpcError as exc:
-            raise translate(exc, _ENROL_ERRORS if isinstance(known, Enrol) else _ERRORS) from exc
+            error = translate(exc, _ENROL_ERRORS if isinstance(known, Enrol) else _ERRORS)
+            if type(error) is Unreachable and len(self.servers) > 1:
+                await self._next_server()
+            raise error from exc
         return cast(R, reply)
+
+    async def _next_server(self) -> None:
+        await self.aclose()
+        self._at = (self._at + 1) % len(self.servers)
 
     async def aclose(self) -> None:
         if self._conn is not None:

@@ -14,11 +14,13 @@
     ├── NotFoundError        an unknown job, device or blob
     ├── Unreachable          the server is away, busy or too slow: worth trying again
     │   ├── RateLimited      this caller sent too much too fast: wait retry_after_s
-    │   └── StorageUnavailable  the database or the disk cannot take writes now
+    │   ├── StorageUnavailable  the database or the disk cannot take writes now
+    │   └── Standby          this server is a standby: devices go to the leader
     ├── TaskLoadError        a task entry point cannot be imported
     ├── ConflictError        a write that contradicts what is stored
     │   ├── RoundConflict    a round commit out of order, repeated, or on a finished job
-    │   └── JobStateError    a state change out of a terminal state
+    │   ├── JobStateError    a state change out of a terminal state
+    │   └── LeadershipLost   this server no longer holds the deployment's leader lease
     ├── BudgetExhausted      a job's privacy budget allows no further round
     ├── RunRecordError       a volunteer run record is missing, malformed or badly signed
     └── SimulationStalled    every simulated task waits for what no timer will bring
@@ -93,6 +95,11 @@ class StorageUnavailable(Unreachable):
     each job from its last committed round once storage is back."""
 
 
+class Standby(Unreachable):
+    """This server is a standby of a deployment (another process holds the leader lease):
+    it serves operators, not devices. A device tries the next server it was given."""
+
+
 class TaskLoadError(FlotillaError, ImportError):
     """A task entry point (``package.module:Name``) cannot be loaded."""
 
@@ -107,6 +114,11 @@ class RoundConflict(ConflictError):
 
 class JobStateError(ConflictError):
     """A state change out of a terminal state (completed, failed, cancelled)."""
+
+
+class LeadershipLost(ConflictError):
+    """A round commit by a server that no longer holds the deployment's leader lease (it
+    expired, or another process took it over): refused, nothing written."""
 
 
 class BudgetExhausted(FlotillaError):

@@ -209,3 +209,26 @@ class EnrolTokenRecord:
     revoked_at: float | None
     #: ``active``, ``expired``, ``used up`` or ``revoked``, as of the listing.
     state: str
+
+
+@dataclass(frozen=True, slots=True)
+class Leadership:
+    """The deployment's leader lease as the store holds it: which server process runs the
+    jobs and serves devices (``holder``), since which change of holder (``epoch``), until
+    when unless renewed (``expires_at``, unix seconds)."""
+
+    holder: str
+    epoch: int
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderFence:
+    """What a round commit proves: the lease it was made under, and how long to extend it.
+
+    The store commits only if ``holder`` still holds the lease at ``epoch``, unexpired,
+    and extends it by ``lease_s`` in the same transaction."""
+
+    holder: str
+    epoch: int
+    lease_s: float

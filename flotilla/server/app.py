@@ -217,9 +217,7 @@ class FederationServer:
         return self._http.url if self._http is not None else None
 
     async def _start_http(self, settings: HttpSettings) -> None:
-        self._http = HttpEdge(
-            self.federation, self.metrics, self.feed, settings, lambda: self._ready
-        )
+        self._http = HttpEdge(self.federation, self.metrics, self.feed, settings, self._serving)
         try:
             self.http_port = await self._http.start()
         except BaseException:
@@ -245,6 +243,11 @@ class FederationServer:
             grace = self.config.timeouts.server_stop_s if grace_s is None else grace_s
             await self._edge.stop(grace)
         await self.store.close()
+
+    def _serving(self) -> bool:
+        """Ready for devices: started, not stopping, and leading its deployment (a load
+        balancer that checks ``/readyz`` sends devices to the leader only)."""
+        return self._ready and self.federation.leading
 
     async def wait(self) -> None:
         assert self._edge is not None, "start() first"

@@ -69,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="A torch-free device: trains the digits task in NumPy and speaks only "
         "the HTTP device protocol (docs/protocol.md, docs/lite-client.md).",
     )
-    parser.add_argument("--server", required=True, help="http://HOST:PORT (or https://)")
+    parser.add_argument(
+        "--server", required=True,
+        help="http://HOST:PORT (or https://); several servers of one deployment, comma-"
+        "separated, are tried in turn",
+    )  # fmt: skip
     parser.add_argument("--token", required=True, help="enrolment token")
     parser.add_argument(
         "--data", type=Path, required=True, metavar="SHARD.npz",

@@ -136,15 +136,16 @@ class HttpDevice:
         rng: random.Random | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        """``server``: ``http://HOST:PORT`` or ``https://...`` (``tls_ca``: the CA file to
-        trust; ``tls_cert``/``tls_key``: this device's own certificate, for a server with
-        mutual TLS); ``retries``: broken connections survived per transfer or call."""
-        url = urllib.parse.urlsplit(server)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise WireError(f"server must be http://HOST:PORT or https://HOST:PORT, got {server!r}")
-        self._scheme = url.scheme
-        self._host = url.hostname
-        self._port = url.port or (443 if url.scheme == "https" else 80)
+        """``server``: ``http://HOST:PORT`` or ``https://...``, or several servers of one
+        deployment separated by commas, tried in turn: after a call finds one unreachable
+        (down, or a standby turning devices away), the next call goes to the next
+        (``tls_ca``: the CA file to trust; ``tls_cert``/``tls_key``: this device's own
+        certificate, for a server with mutual TLS); ``retries``: broken connections
+        survived per transfer or call."""
+        self._servers = [_address(s.strip()) for s in server.split(",") if s.strip()]
+        if not self._servers:
+            raise WireError("no server given: http://HOST:PORT or https://HOST:PORT")
+        self._at = 0
         self._tls = ssl.create_default_context(cafile=str(tls_ca) if tls_ca else None)
         if tls_cert is not None:
             self._tls.load_cert_chain(tls_cert, tls_key)
@@ -162,11 +163,13 @@ class HttpDevice:
     # --- one call ------------------------------------------------------------------------
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
-        if self._scheme == "https":
-            return http.client.HTTPSConnection(
-                self._host, self._port, timeout=timeout_s, context=self._tls
-            )
-        return http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+        scheme, host, port = self._servers[self._at]
+        if scheme == "https":
+            return http.client.HTTPSConnection(host, port, timeout=timeout_s, context=self._tls)
+        return http.client.HTTPConnection(host, port, timeout=timeout_s)
+
+    def _next_server(self) -> None:
+        self._at = (self._at + 1) % len(self._servers)
 
     def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         headers = {"Flotilla-Protocol": str(PROTOCOL), "Accept": "application/json"}
@@ -200,11 +203,15 @@ class HttpDevice:
             )
         except (OSError, http.client.HTTPException) as exc:
             self.broken_calls += 1
+            self._next_server()
             raise Unreachable(f"{method} {PREFIX}{path}: {type(exc).__name__}: {exc}") from exc
         finally:
             conn.close()
         if answer.status >= 400:
-            raise error_for(answer.status, answer.body, answer.retry_after_s)
+            error = error_for(answer.status, answer.body, answer.retry_after_s)
+            if type(error) is Unreachable:  # 503: busy, or a standby of the deployment
+                self._next_server()
+            raise error
         return answer
 
     def _retrying(self, what: Callable[[], _Answer]) -> _Answer:
@@ -458,6 +465,13 @@ class _Sending:
     resumes: int = 0
     #: Whether to ask the server what it holds before sending more (after a break).
     ask: bool = False
+
+
+def _address(server: str) -> tuple[str, str, int]:
+    url = urllib.parse.urlsplit(server)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise WireError(f"server must be http://HOST:PORT or https://HOST:PORT, got {server!r}")
+    return url.scheme, url.hostname, url.port or (443 if url.scheme == "https" else 80)
 
 
 def profile_json(profile: DeviceProfile) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from flotilla.core.blobs import CHUNK_BYTES
 from flotilla.core.blobstore import BlobStore
 from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
-from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError, WireError
+from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError, Standby, WireError
 from flotilla.core.events import BytesSent, DeviceChanged, EventSink, Fanout, PollAnswered
 from flotilla.core.records import DeviceRecord, JobRecord, RefusalRecord, RoundRecord
 from flotilla.core.timeouts import Timeouts
@@ -36,6 +36,7 @@ from flotilla.server.federation.devices import Devices
 from flotilla.server.federation.failures import FailureCounts
 from flotilla.server.federation.gateway import Gateway
 from flotilla.server.federation.jobs import Jobs
+from flotilla.server.federation.leadership import FencedLedger, LeaderLease
 from flotilla.server.federation.peercert import PeerCertificate, check_bound
 from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.ratelimit import RateLimiter, RateLimits
@@ -105,11 +106,18 @@ class Federation:
             self._devices,
             self._events,
         )
+        self._lead = LeaderLease(
+            store,
+            config.timeouts.leader_lease_s,
+            clock,
+            on_lead=self._on_lead,
+            on_loss=self._on_loss,
+        )
         services = EngineServices(
             backend=self._gateway,
             leases=self._leases,
             arbiter=self._arbiter,
-            ledger=store,
+            ledger=FencedLedger(store, self._lead),
             blobs=self._blobs,
             clock=clock,
             config=engine,
@@ -118,7 +126,12 @@ class Federation:
             keys=self._devices,
         )
         self._jobs = Jobs(
-            services, store, tasks, config.state_dir, config.timeouts.outage_backoff_max_s
+            services,
+            store,
+            tasks,
+            config.state_dir,
+            config.timeouts.outage_backoff_max_s,
+            may_run=lambda: self._lead.leading,
         )
         self._download_slots = asyncio.Semaphore(config.download_slots)
         self._limits = RateLimiter(config.rate_limits)
@@ -127,16 +140,42 @@ class Federation:
         self._known_tokens: list[tuple[str, Scope]] = []
 
     async def start(self) -> None:
-        """Resume the jobs a previous run left unfinished."""
+        """Take the deployment's leader lease if free and resume the jobs a previous run
+        left unfinished; else stand by (``federation.leadership``)."""
         await self._devices.start()
         self._refusals.start()
-        await self._jobs.resume()
+        await self._lead.start()
 
     async def close(self) -> None:
         await self._jobs.stop()
         self._gateway.close()
+        await self._lead.stop()
         await self._arbiter.close()
         await self._refusals.close()
+
+    @property
+    def leading(self) -> bool:
+        """Whether this server leads its deployment (runs the jobs, serves devices)."""
+        return self._lead.leading
+
+    async def _on_lead(self) -> None:
+        """Leading, newly or still: run every unfinished job (new ones may have been
+        submitted through a standby), serve devices."""
+        self._gateway.reopen()
+        await self._jobs.resume()
+
+    async def _on_loss(self) -> None:
+        """Another process leads: stop the runners (their rounds are lost, never half
+        committed; the leader resumes them) and turn devices away."""
+        self._gateway.close()
+        await self._jobs.stop()
+
+    def _serving_devices(self) -> None:
+        if not self._lead.leading:
+            raise Standby(
+                "this server is a standby of its deployment: devices are served by the "
+                "leader; try the next server"
+            )
 
     def reap(self) -> list[str]:
         """Drop devices silent for longer than the liveness window; their ids."""
@@ -159,6 +198,7 @@ class Federation:
         """A new device. ``public_key`` (hex Ed25519) verifies its updates' signatures;
         ``cert``: its verified client certificate, whose name becomes the device id (mutual
         TLS); ``address``: where the call came from, whose enrolments are rate limited."""
+        self._serving_devices()
         if address:
             self._limits.take("enrol", address)
         if cert is None and self._config.client_certs:
@@ -169,7 +209,9 @@ class Federation:
     async def authenticate_device(
         self, device_id: str | None, secret: str | None, cert: PeerCertificate | None = None
     ) -> DeviceRecord:
-        """The device the credential names; with mutual TLS, only with its own certificate."""
+        """The device the credential names; with mutual TLS, only with its own certificate.
+        A standby turns every device away (:class:`Standby`)."""
+        self._serving_devices()
         if self._config.client_certs:
             check_bound(cert, device_id or "", required=True)
         return await self._devices.authenticate(device_id, secret)

@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from flotilla.core.eligibility import EligibilitySection
 from flotilla.core.errors import (
     FlotillaError,
+    LeadershipLost,
     NotFoundError,
     SpecError,
     StorageUnavailable,
@@ -50,6 +51,7 @@ class Jobs:
         tasks: TaskRuntime,
         state_dir: Path,
         outage_max_s: float = Timeouts().outage_backoff_max_s,
+        may_run: Callable[[], bool] = lambda: True,
     ) -> None:
         """Job state changes the runners do not make (submitted, failed, cancelled) go to
         ``services.events``, as the runners' own do."""
@@ -59,13 +61,20 @@ class Jobs:
         self._tasks = tasks
         self._state_dir = state_dir
         self._outage_max_s = outage_max_s
+        #: False on a standby of a deployment: jobs run on the leader only.
+        self._may_run = may_run
         self._runners: dict[str, asyncio.Task[None]] = {}
         #: Running jobs' task and ``[eligibility]``, for device listings.
         self._policies: dict[str, tuple[str, EligibilitySection]] = {}
 
     async def resume(self) -> None:
-        """Start a runner for every job a previous run of the server left unfinished."""
-        for job in await self._store.jobs_to_resume():
+        """Start a runner for every unfinished job that has none here (left by an earlier
+        run of the server, or submitted to a standby of the deployment), and stop runners
+        of jobs that finished elsewhere (cancelled through a standby)."""
+        unfinished = {job.id: job for job in await self._store.jobs_to_resume()}
+        for job_id in [j for j in self._runners if j not in unfinished]:
+            await self._stop_runner(job_id)
+        for job in unfinished.values():
             self._start_runner(job)
 
     async def stop(self) -> None:
@@ -76,6 +85,13 @@ class Jobs:
         for task in runners:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+    async def _stop_runner(self, job_id: str) -> None:
+        runner = self._runners.pop(job_id, None)
+        if runner is not None:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await runner
 
     async def get(self, job_id: str) -> JobRecord:
         job = await self._store.get_job(job_id)
@@ -119,11 +135,7 @@ class Jobs:
 
     async def cancel_job(self, job_id: str) -> JobRecord:
         before = await self.get(job_id)
-        runner = self._runners.pop(job_id, None)
-        if runner is not None:
-            runner.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await runner
+        await self._stop_runner(job_id)
         job = await self._store.set_job_state(job_id, "cancelled")
         if before.state != job.state:
             self._events.emit(JobChanged(job.id, job.state))
@@ -153,6 +165,10 @@ class Jobs:
                 exc, delay = again, min(self._outage_max_s, delay * 2)
 
     def _start_runner(self, job: JobRecord) -> None:
+        """Run ``job`` here, unless it runs already or this server is a standby (then the
+        leader picks it up from the store)."""
+        if job.id in self._runners or not self._may_run():
+            return
         task = asyncio.ensure_future(self._run_job(job))
         self._runners[job.id] = task
 
@@ -175,6 +191,8 @@ class Jobs:
                     job = await self._after_outage(job_id, exc, outages)
         except asyncio.CancelledError:
             raise
+        except LeadershipLost as exc:
+            log.warning("job %s: %s; the deployment's leader runs it", job_id, exc)
         except FlotillaError as exc:
             log.error("job %s stopped: %s", job_id, exc)
             with contextlib.suppress(Exception):

@@ -164,3 +164,16 @@ class RefusalRow(Base):
     round: Mapped[int] = mapped_column(Integer)
     reason: Mapped[str] = mapped_column(String(64))
     detail: Mapped[str] = mapped_column(Text, default="", server_default="")
+
+
+class LeadershipRow(Base):
+    """The deployment's leader lease (one row): who runs the jobs and serves devices."""
+
+    __tablename__ = "leadership"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    epoch: Mapped[int] = mapped_column(Integer)
+    expires_at: Mapped[float] = mapped_column(Double)
+    grpc_address: Mapped[str] = mapped_column(String(256), default="", server_default="")
+    http_url: Mapped[str] = mapped_column(String(256), default="", server_default="")

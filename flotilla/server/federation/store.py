@@ -41,6 +41,7 @@ from flotilla.core.errors import (
     AuthError,
     ConflictError,
     JobStateError,
+    LeadershipLost,
     NotFoundError,
     RoundConflict,
     StorageUnavailable,
@@ -50,6 +51,8 @@ from flotilla.core.records import (
     DeviceRecord,
     EnrolTokenRecord,
     JobRecord,
+    LeaderFence,
+    Leadership,
     ParticipationRecord,
     RefusalRecord,
     RoundAccount,
@@ -64,11 +67,15 @@ from flotilla.server.federation.schema import (
     DeviceRow,
     EnrolTokenRow,
     JobRow,
+    LeadershipRow,
     OperatorTokenRow,
     ParticipationRow,
     RefusalRow,
     RoundRow,
 )
+
+#: The one row of the ``leadership`` table.
+LEADERSHIP_ROW = "deployment"
 
 __all__ = [
     "ConflictError",
@@ -178,6 +185,10 @@ def _device_record(row: DeviceRow) -> DeviceRecord:
     )
 
 
+def _leadership(row: LeadershipRow) -> Leadership:
+    return Leadership(row.holder, row.epoch, row.expires_at)
+
+
 def _job_record(row: JobRow) -> JobRecord:
     return JobRecord(
         id=row.id,
@@ -207,10 +218,20 @@ def _participation_record(row: ParticipationRow) -> ParticipationRecord:
     )
 
 
+#: SQLSTATE classes of a database that is away, not of a wrong statement: connection
+#: exceptions, insufficient resources (a full disk, too many connections), operator
+#: intervention (shutting down, starting up).
+_OUTAGE_SQLSTATES = ("08", "53", "57")
+
+
 def _transient(exc: DBAPIError) -> bool:
-    """A connection that failed or was lost, a database shutting down, a full disk or a
-    lock held past the busy timeout: the database, not the statement, is the problem."""
-    return exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError)
+    """A connection that failed or was lost, a database shutting down or starting, a full
+    disk or a lock held past the busy timeout: the database, not the statement, is the
+    problem."""
+    if exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError):
+        return True
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    return isinstance(sqlstate, str) and sqlstate[:2] in _OUTAGE_SQLSTATES
 
 
 @asynccontextmanager
@@ -623,19 +644,71 @@ class Store:
             row = await s.get(CheckpointRow, sha256)
             return None if row is None else row.size_bytes
 
+    # -- leadership ------------------------------------------------------------------------
+
+    async def leadership(self) -> Leadership | None:
+        """The deployment's leader lease, or None before any server took it."""
+        async with self._reading() as s:
+            row = await s.get(LeadershipRow, LEADERSHIP_ROW)
+            return None if row is None else _leadership(row)
+
+    async def take_leadership(
+        self, holder: str, lease_s: float, now: float, replacing: str = ""
+    ) -> Leadership | None:
+        """Take or renew the leader lease for ``holder`` until ``now + lease_s``: when no
+        one holds it, ``holder`` already does, it expired, or ``replacing`` names the
+        current holder (known dead). The lease as it now stands if ``holder`` holds it,
+        else None. A new holder gets the next epoch."""
+        async with self._writing() as s:
+            row = await s.get(LeadershipRow, LEADERSHIP_ROW, with_for_update=True)
+            if row is None:
+                row = LeadershipRow(name=LEADERSHIP_ROW, holder=holder, epoch=1,
+                                    expires_at=now + lease_s)  # fmt: skip
+                s.add(row)
+                return _leadership(row)
+            ours = row.holder == holder
+            if not ours and row.expires_at > now and (not replacing or row.holder != replacing):
+                return None
+            if not ours:
+                row.holder, row.epoch = holder, row.epoch + 1
+            row.expires_at = now + lease_s
+            return _leadership(row)
+
+    async def release_leadership(self, holder: str) -> None:
+        """End ``holder``'s lease now (a clean stop), so a standby need not wait it out."""
+        async with self._writing() as s:
+            await s.execute(
+                update(LeadershipRow)
+                .where(LeadershipRow.name == LEADERSHIP_ROW, LeadershipRow.holder == holder)
+                .values(expires_at=0.0)
+            )
+
+    @staticmethod
+    async def _check_fence(s: AsyncSession, fence: LeaderFence, now: float) -> None:
+        row = await s.get(LeadershipRow, LEADERSHIP_ROW, with_for_update=True)
+        if row is None or (row.holder, row.epoch) != (fence.holder, fence.epoch):
+            raise LeadershipLost("another server took over the deployment: not committing")
+        if row.expires_at < now:
+            raise LeadershipLost("this server's leader lease expired: not committing")
+        row.expires_at = now + fence.lease_s
+
     # -- rounds ----------------------------------------------------------------------------
 
-    async def commit_round(self, c: RoundCommit) -> JobRecord:
+    async def commit_round(self, c: RoundCommit, fence: LeaderFence | None = None) -> JobRecord:
         """Store a finished round and advance its job, all in one transaction.
 
         Raises :class:`RoundConflict` (and writes nothing) unless ``c.round`` is exactly the
         job's next round and the job is not finished; the job is ``completed`` after its last
-        round and ``running`` otherwise.
+        round and ``running`` otherwise. With a ``fence``, :class:`LeadershipLost` (nothing
+        written) unless its holder still holds the leader lease at its epoch, unexpired;
+        the lease is then extended in the same transaction.
         """
         check_commit(c)
         where = f"round {c.round} of job {c.job_id!r}"
         try:
             async with self._writing() as s:
+                if fence is not None:
+                    await self._check_fence(s, fence, c.committed_at)
                 # The row lock makes concurrent commits of one job queue up here; the loser
                 # then sees the winner's rounds_committed and is refused below.
                 job = await s.get(JobRow, c.job_id, with_for_update=True)
