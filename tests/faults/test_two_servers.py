@@ -86,6 +86,14 @@ def test_the_standby_takes_over_a_killed_leaders_jobs_and_the_old_leader_comes_b
             log = (tmp_path / f"agent-{i}.log").open("wb")
             agents.append(subprocess.Popen(bound(argv), stdout=log, stderr=subprocess.STDOUT))
         spec = job_file(tmp_path / "job.toml")
+        # Cancelled through the standby: the leader's runner stops within a third of a lease.
+        endless = b.submit(spec, "job.rounds=100000", "job.name=endless")
+        b.wait_rounds(endless, 1, timeout=180)
+        b.operator("job", "cancel", endless)
+        time.sleep(LEASE_S)
+        stopped_at = len(committed_rounds(cluster.url, endless))
+        time.sleep(LEASE_S)
+        assert len(committed_rounds(cluster.url, endless)) == stopped_at, "still running"
         job_id = b.submit(spec, f"job.rounds={ROUNDS}")  # through the standby
         b.wait_rounds(job_id, 5, timeout=180)  # the standby reads the shared database
         a.kill9()

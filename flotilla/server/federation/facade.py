@@ -147,9 +147,12 @@ class Federation:
         await self._lead.start()
 
     async def close(self) -> None:
+        # The lease first: no renewal may restart runners or reopen the gateway after
+        # this. Released, a standby may take over while the runners stop; their commits
+        # would be refused (fenced), never doubled.
+        await self._lead.stop()
         await self._jobs.stop()
         self._gateway.close()
-        await self._lead.stop()
         await self._arbiter.close()
         await self._refusals.close()
 

@@ -73,7 +73,9 @@ class Jobs:
         of jobs that finished elsewhere (cancelled through a standby)."""
         unfinished = {job.id: job for job in await self._store.jobs_to_resume()}
         for job_id in [j for j in self._runners if j not in unfinished]:
-            await self._stop_runner(job_id)
+            job = await self._store.get_job(job_id)
+            if job is not None and job.state == "cancelled":  # not one finishing its run
+                await self._stop_runner(job_id)
         for job in unfinished.values():
             self._start_runner(job)
 
