@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -90,33 +89,31 @@ class CannedUpdate:
 
     def __init__(self, seed: int) -> None:
         self._seed = seed
-        self._lock = threading.Lock()
         self._made: tuple[str, bytes, str] | None = None  # model sha, payload, payload sha
 
     def for_model(self, model_sha256: str, model: bytes | memoryview) -> tuple[bytes, str]:
         """The payload (plain safetensors) and its SHA-256, in ``model``'s layout."""
-        with self._lock:
-            if self._made is None or self._made[0] != model_sha256:
-                rng = np.random.default_rng(self._seed)
-                delta = {
-                    name: (rng.standard_normal(arr.shape) * UPDATE_SCALE).astype(arr.dtype)
-                    for name, arr in decode_state(model).items()
-                }
-                payload = encode_state(delta)
-                self._made = (model_sha256, payload, sha256_hex(payload))
-            return self._made[1], self._made[2]
+        if self._made is None or self._made[0] != model_sha256:
+            rng = np.random.default_rng(self._seed)
+            delta = {
+                name: (rng.standard_normal(arr.shape) * UPDATE_SCALE).astype(arr.dtype)
+                for name, arr in decode_state(model).items()
+            }
+            payload = encode_state(delta)
+            self._made = (model_sha256, payload, sha256_hex(payload))
+        return self._made[1], self._made[2]
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceScript:
     """How a load device behaves."""
 
-    token: str
-    task: str
+    token: str = field(repr=False)
+    task: str = ""
     #: Seconds between polls while idle (jittered +-50%): with a server that answers polls
     #: at once (``--poll-hold 0``) this sets each device's request rate; 0 polls again at
     #: once (for a server that holds polls).
-    poll_every_s: float
+    poll_every_s: float = 1.0
     timeouts: Timeouts = field(default_factory=Timeouts)
 
 
