@@ -102,6 +102,8 @@ def test_a_plan_never_asks_more_devices_a_round_than_exist_and_refuses_nonsense(
         LoadPlan(devices=1, duration_s=1, edge="carrier-pigeon")
     with pytest.raises(Exception, match=">= 1"):
         LoadPlan(devices=0, duration_s=1)
+    with pytest.raises(Exception, match="grpc edge"):
+        LoadPlan(devices=1, duration_s=1, servers=2, edge="http")
 
 
 def test_gauge_reads_an_unlabelled_sample_from_the_exposition() -> None:

@@ -43,6 +43,11 @@ def add_bench_parser(commands: Any) -> None:
         help="the server's poll hold (default 0: polls answered at once; above 0, long polls "
         "and --poll-every is ignored)",
     )  # fmt: skip
+    load.add_argument(
+        "--servers", type=int, default=1, metavar="N",
+        help="server processes of one deployment (same database and state directory; the "
+        "devices get every address; grpc edge only)",
+    )  # fmt: skip
     load.add_argument("--db", default=None, help="database URL (default: SQLite, temporary)")
     load.add_argument("--workdir", type=Path, default=None, help="keep the state and logs here")
     load.add_argument("--seed", type=int, default=0)
@@ -64,6 +69,7 @@ def run_load_command(args: argparse.Namespace) -> int:
         poll_hold_s=args.poll_hold,
         db_url=args.db,
         seed=args.seed,
+        servers=args.servers,
     )
 
     def progress(line: str) -> None:

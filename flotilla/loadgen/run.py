@@ -71,12 +71,17 @@ class LoadPlan:
     db_url: str | None = None
     round_deadline_s: float = 30.0
     seed: int = 0
+    #: Server processes of one deployment (same database and state directory); devices
+    #: get every address (gRPC only). The first to start leads: it runs the rounds.
+    servers: int = 1
 
     def __post_init__(self) -> None:
         if self.edge not in ("grpc", "http"):
             raise FlotillaError(f"edge must be grpc or http, got {self.edge!r}")
         if self.devices < 1 or self.workers < 1 or self.jobs < 1 or self.clients_per_round < 1:
             raise FlotillaError("devices, workers, jobs and clients_per_round must be >= 1")
+        if self.servers < 1 or (self.servers > 1 and self.edge != "grpc"):
+            raise FlotillaError("servers must be >= 1; several servers need the grpc edge")
         if not self.duration_s > 0 or not self.poll_every_s > 0 or not self.poll_hold_s >= 0:
             raise FlotillaError("duration and poll interval must be > 0 seconds, hold >= 0")
 
@@ -238,14 +243,19 @@ async def run_load(plan: LoadPlan, workdir: Path | None = None,
     """Run ``plan`` and return its results (one JSON-ready object)."""
     say = progress or (lambda _: None)
     with _workdir(workdir) as root:
-        server = ServerProcess(root / "state", plan.db_url, root / "server.log", plan.poll_hold_s)
-        say("starting the server")
-        await asyncio.to_thread(server.start)
+        servers = [
+            ServerProcess(root / "state", plan.db_url, root / f"server-{i}.log", plan.poll_hold_s)
+            for i in range(plan.servers)
+        ]
         try:
-            return await _run(plan, server, say)
+            for server in servers:  # one by one: the first takes the lease and leads
+                say("starting the server")
+                await asyncio.to_thread(server.start)
+            return await _run(plan, servers, say)
         finally:
             say("stopping the server")
-            await asyncio.to_thread(server.stop)
+            for server in reversed(servers):
+                await asyncio.to_thread(server.stop)
 
 
 @contextlib.contextmanager
@@ -258,10 +268,11 @@ def _workdir(given: Path | None) -> Iterator[Path]:
         yield Path(tmp)
 
 
-async def _run(plan: LoadPlan, server: ServerProcess, say: Say) -> dict[str, Any]:
+async def _run(plan: LoadPlan, servers: list[ServerProcess], say: Say) -> dict[str, Any]:
+    server = servers[0]  # the leader: the operator API and the sampling go to it
     token = await asyncio.to_thread(make_token, server.state_dir, plan.db_url)
     operator = (server.state_dir / "operator.token").read_text().strip()
-    target = server.http_url if plan.edge == "http" else server.grpc_address
+    target = server.http_url if plan.edge == "http" else ",".join(s.grpc_address for s in servers)
     async with OperatorApi(server.http_url, operator) as api:
         job_ids = [await api.submit(job_toml(plan, i)) for i in range(plan.jobs)]
         watch = ServerWatch()
@@ -329,6 +340,7 @@ def summarize(
         "poll_hold_s": plan.poll_hold_s,
         "task": plan.task,
         "database": "postgresql" if plan.db_url else "sqlite",
+        "servers": plan.servers,
         "enrolled": sum(r.enrolled for r in reports),
         "stuck_devices": sum(r.stuck for r in reports),
         "latency_ms": {
