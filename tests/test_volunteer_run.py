@@ -110,7 +110,9 @@ def _status(peers: Peers, run: str, maddr: str) -> dict[str, Any]:
     out = subprocess.run(
         bound([sys.executable, "-m", "flotilla", "volunteer", "status", "--run", run,
          "--initial-peers", maddr, "--json"]),
-        capture_output=True, text=True, env=peers.env, timeout=60, check=True,
+        # A hang catcher only: the command bounds itself (its DHT start and record wait,
+        # Timeouts.dht_start_s + record_wait_s); a loaded 2-core run needed over 60 s.
+        capture_output=True, text=True, env=peers.env, timeout=120, check=True,
     )  # fmt: skip
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
