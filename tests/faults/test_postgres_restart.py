@@ -8,7 +8,6 @@ user), so the shared one on port 5432 is left alone.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 
@@ -22,22 +21,6 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROUNDS = 25
 DOWN_FOR_S = 6.0
-
-
-def committed_rounds(url: str, job_id: str) -> list[int]:
-    import asyncpg
-
-    async def read() -> list[int]:
-        conn = await asyncpg.connect(url)
-        try:
-            rows = await conn.fetch(
-                "SELECT round FROM rounds WHERE job_id = $1 ORDER BY round", job_id
-            )
-            return [r["round"] for r in rows]
-        finally:
-            await conn.close()
-
-    return asyncio.run(read())
 
 
 def test_postgres_restarted_under_a_job_the_server_waits_and_resumes_committing_once(
@@ -55,9 +38,9 @@ def test_postgres_restarted_under_a_job_the_server_waits_and_resumes_committing_
             time.sleep(DOWN_FOR_S)
             assert server.proc is not None and server.proc.poll() is None, "server died"
             cluster.start()
-            before = len(committed_rounds(cluster.url, job_id))
+            before = len(cluster.rounds(job_id))
             deadline = time.monotonic() + 120
-            while len(committed_rounds(cluster.url, job_id)) <= before and before < ROUNDS:
+            while len(cluster.rounds(job_id)) <= before and before < ROUNDS:
                 assert time.monotonic() < deadline, "no round committed after the restart"
                 time.sleep(0.3)
         status = server.wait_for(job_id, timeout=300)
@@ -66,6 +49,6 @@ def test_postgres_restarted_under_a_job_the_server_waits_and_resumes_committing_
     finally:
         fleet.stop()
         server.stop()
-    assert committed_rounds(cluster.url, job_id) == list(range(1, ROUNDS + 1))
+    assert cluster.rounds(job_id) == list(range(1, ROUNDS + 1))
     log = server.log.read_text()
     assert "database unavailable" in log and "resuming from its last committed round" in log

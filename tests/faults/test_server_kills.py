@@ -17,7 +17,6 @@ import os
 import random
 import sqlite3
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,14 +44,6 @@ def job_file(path: Path) -> Path:
         "clients_per_round = 2\nmin_quorum = 1\nround_deadline_s = 10.0\n"
     )
     return path
-
-
-@pytest.fixture
-def sqlite_server(tmp_path: Path) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path / "state", None, extra=("--liveness", "20"))
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 def committed(state_dir: Path) -> dict[str, int]:

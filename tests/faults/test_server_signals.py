@@ -12,7 +12,6 @@ import signal
 import sqlite3
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,14 +26,6 @@ AGENTS = 3
 #: The server must be gone this long after SIGTERM: its grace for calls in flight
 #: (Timeouts.server_stop_s) plus hosted children and the store, with room for a slow CI.
 STOP_WITHIN_S = 15.0
-
-
-@pytest.fixture
-def sqlite_server(tmp_path: Path) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path / "state", None, extra=("--liveness", "20"))
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 def books(state_dir: Path, job_id: str) -> tuple[int, list[int], set[int]]:

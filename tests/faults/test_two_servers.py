@@ -8,7 +8,6 @@ takes the jobs again.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import signal
 import subprocess
@@ -51,22 +50,6 @@ def wait(what: str, done: object, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
-def committed_rounds(url: str, job_id: str) -> list[int]:
-    import asyncpg
-
-    async def read() -> list[int]:
-        conn = await asyncpg.connect(url)
-        try:
-            rows = await conn.fetch(
-                "SELECT round FROM rounds WHERE job_id = $1 ORDER BY round", job_id
-            )
-            return [r["round"] for r in rows]
-        finally:
-            await conn.close()
-
-    return asyncio.run(read())
-
-
 def test_the_standby_takes_over_a_killed_leaders_jobs_and_the_old_leader_comes_back(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -91,16 +74,16 @@ def test_the_standby_takes_over_a_killed_leaders_jobs_and_the_old_leader_comes_b
         b.wait_rounds(endless, 1, timeout=180)
         b.operator("job", "cancel", endless)
         time.sleep(LEASE_S)
-        stopped_at = len(committed_rounds(cluster.url, endless))
+        stopped_at = len(cluster.rounds(endless))
         time.sleep(LEASE_S)
-        assert len(committed_rounds(cluster.url, endless)) == stopped_at, "still running"
+        assert len(cluster.rounds(endless)) == stopped_at, "still running"
         job_id = b.submit(spec, f"job.rounds={ROUNDS}")  # through the standby
         b.wait_rounds(job_id, 5, timeout=180)  # the standby reads the shared database
         a.kill9()
         took_s = wait("b to take over", lambda: leads(b), 2 * LEASE_S)
         status = b.wait_for(job_id, timeout=300)
         assert status["state"] == "completed", status
-        assert committed_rounds(cluster.url, job_id) == list(range(1, ROUNDS + 1))
+        assert cluster.rounds(job_id) == list(range(1, ROUNDS + 1))
         print(f"b led {took_s:.1f}s after a was killed")
 
         a.start()  # back, as a standby
@@ -114,7 +97,7 @@ def test_the_standby_takes_over_a_killed_leaders_jobs_and_the_old_leader_comes_b
         again = a.submit(spec, "job.rounds=5", "job.name=again")
         status = a.wait_for(again, timeout=300)
         assert status["state"] == "completed", status
-        assert committed_rounds(cluster.url, again) == list(range(1, 6))
+        assert cluster.rounds(again) == list(range(1, 6))
         assert all(p.poll() is None for p in agents), "agents follow the leader"
     finally:
         terminate_all(agents)  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ that restart or share a database across processes without touching the one on 54
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import shutil
 import signal
@@ -62,6 +63,22 @@ class Cluster:
             assert self.proc.poll() is None, self.log.read_text()[-2000:]
             assert time.monotonic() < deadline, "PostgreSQL did not start"
             time.sleep(0.2)
+
+    def rounds(self, job_id: str) -> list[int]:
+        """The rounds of ``job_id`` committed in this cluster's database, in order."""
+        import asyncpg
+
+        async def read() -> list[int]:
+            conn = await asyncpg.connect(self.url)
+            try:
+                rows = await conn.fetch(
+                    "SELECT round FROM rounds WHERE job_id = $1 ORDER BY round", job_id
+                )
+                return [r["round"] for r in rows]
+            finally:
+                await conn.close()
+
+        return asyncio.run(read())
 
     def stop(self) -> None:
         """A fast shutdown (SIGINT): open connections are cut, as in a restart."""
