@@ -2,8 +2,9 @@
 database connections at round 60 are what they were at round 15.
 
 The server core and real agents share this process (in-process transport), so every count
-is this process's; each is the smallest of a few samples taken 0.1 s apart, so a task that
-lives for a heartbeat does not count as growth. Memory over a long run is the soak's
+is this process's; each is the smallest of the samples taken every 0.1 s across five whole
+rounds, so both windows see every phase of a round (training, uploading, aggregating) and a
+task that lives for one phase does not count as growth. Memory over a long run is the soak's
 (``benchmarks/load.py``, docs/load.md), where the server has a process of its own.
 """
 
@@ -22,6 +23,7 @@ from tests.support.inproc import InProcessFederation, poll_until
 TASK = "flotilla.tasks.synthetic:Linear100K"
 ROUNDS = 80
 EARLY, LATE = 15, 60
+WINDOW = 5
 
 
 @dataclass(frozen=True)
@@ -32,22 +34,32 @@ class Counts:
     db_connections: int
 
 
-async def counts(fed: InProcessFederation) -> Counts:
-    proc = psutil.Process()
-    samples = []
-    for _ in range(5):
-        tasks, fds, threads = len(asyncio.all_tasks()), proc.num_fds(), threading.active_count()
-        samples.append(Counts(tasks, fds, threads, fed.store.connections_in_use()))
-        await asyncio.sleep(0.1)
-    return Counts(*(min(getattr(s, f) for s in samples) for f in Counts.__dataclass_fields__))
+async def rounds_committed(fed: InProcessFederation, job_id: str) -> int:
+    job = await fed.store.get_job(job_id)
+    return 0 if job is None else job.rounds_committed
 
 
 async def at_round(fed: InProcessFederation, job_id: str, rounds: int) -> None:
     async def reached() -> bool:
-        job = await fed.store.get_job(job_id)
-        return job is not None and job.rounds_committed >= rounds
+        return await rounds_committed(fed, job_id) >= rounds
 
     assert await poll_until(reached, 300), f"round {rounds} not reached"
+
+
+async def counts_across_rounds(fed: InProcessFederation, job_id: str, start: int) -> Counts:
+    """The smallest of each count sampled from round ``start`` until ``WINDOW`` more commit."""
+    await at_round(fed, job_id, start)
+    proc = psutil.Process()
+    samples = []
+    for _ in range(3000):  # bounded: 300 s at 0.1 s
+        tasks, fds, threads = len(asyncio.all_tasks()), proc.num_fds(), threading.active_count()
+        samples.append(Counts(tasks, fds, threads, fed.store.connections_in_use()))
+        if await rounds_committed(fed, job_id) >= start + WINDOW:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"rounds {start}..{start + WINDOW} did not commit")
+    return Counts(*(min(getattr(s, f) for s in samples) for f in Counts.__dataclass_fields__))
 
 
 @pytest.mark.timeout(400)
@@ -61,10 +73,8 @@ async def test_tasks_fds_threads_and_db_connections_stay_flat_over_many_rounds(
         "min_quorum = 2\nround_deadline_s = 20.0\n"
     )
     job_id = await in_process.submit(spec)
-    await at_round(in_process, job_id, EARLY)
-    early = await counts(in_process)
-    await at_round(in_process, job_id, LATE)
-    late = await counts(in_process)
+    early = await counts_across_rounds(in_process, job_id, EARLY)
+    late = await counts_across_rounds(in_process, job_id, LATE)
     assert late.tasks <= early.tasks + 2, (early, late)
     assert late.fds <= early.fds + 4, (early, late)
     assert late.threads <= early.threads + 2, (early, late)
