@@ -22,9 +22,8 @@ Floors (reported, never an exit status):
 - with ``--db``: two server processes accept >= 1.5x what one does.
 
 With ``--db postgresql://...``: the throughput row again with two server processes of one
-  deployment (same database and state directory; devices given both addresses), and the
-  ratio to one. Today one of them leads and runs every round (docs/deploying.md): the
-  second adds availability, not throughput, and the ratio says so.
+  deployment (same database and state directory; devices given both addresses, half of
+  them starting at each; the four jobs split two and two), and the ratio to one.
 
 Stdout carries exactly one JSON object; a one-line summary goes to stderr.
 

@@ -594,7 +594,8 @@ async def test_grpc_given_a_deployments_servers_moves_on_from_one_that_is_unreac
     tmp_path: Path,
 ) -> None:
     """``--server A,B``: A is down, so the call to it fails (the agent backs off); the next
-    call goes to B, which answers. A standby answers UNAVAILABLE and is passed over alike."""
+    call goes to B, which answers. A server sending the device on answers UNAVAILABLE and
+    is passed over alike."""
     from tests.support.live_grpc import live_server
 
     async with live_server(tmp_path / "state") as live:

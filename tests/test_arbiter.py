@@ -140,3 +140,25 @@ async def test_a_failing_selector_fails_its_job_not_the_others() -> None:
     grant = await asyncio.wait_for(arbiter.acquire(request("later", 3)), 5)
     assert len(grant.devices) == 3, "the arbiter keeps serving"
     await arbiter.close()
+
+
+async def test_shortfall_and_surplus_say_what_waiting_jobs_lack_and_what_they_leave_idle() -> None:
+    """What a deployment's servers tell each other (``federation.placement``): devices
+    their waiting jobs lack per task, and idle ones they may send on."""
+    pool = pool_with(2)
+    add(pool, 3, task="u", start=10)
+    arbiter = arbiter_for(pool)
+    assert arbiter.shortfall() == {} and arbiter.surplus("t") == 2, "nobody waits: all spare"
+    waiting = asyncio.ensure_future(arbiter.acquire(request("a", 5, quorum=5)))
+    await asyncio.sleep(0.05)
+    assert arbiter.shortfall() == {"t": 3}, "wants 5 of task t, 2 idle"
+    assert arbiter.surplus("t") == -3 and arbiter.surplus("u") == 3
+    assert arbiter.is_free("d000") and arbiter.is_free("d010")
+    add(pool, 3, start=2)
+    grant = await asyncio.wait_for(waiting, 5)
+    assert arbiter.shortfall() == {}
+    assert not any(arbiter.is_free(d) for d in grant.devices), "granted: reserved"
+    claim(pool, grant)
+    assert not any(arbiter.is_free(d) for d in grant.devices), "claimed: busy"
+    assert not arbiter.is_free("nobody")
+    await arbiter.close()

@@ -57,7 +57,7 @@ async def test_an_http_device_given_two_servers_moves_on_from_one_that_is_down(
     tmp_path: Path,
 ) -> None:
     """``--server A,B`` for a deployment: the call to the dead A fails as Unreachable, the
-    next goes to B and enrols (a standby's 503 is passed over the same way)."""
+    next goes to B and enrols (a 503 that sends the device on is passed over the same way)."""
     from flotilla.core.device import DeviceProfile
     from flotilla.core.errors import Unreachable
 

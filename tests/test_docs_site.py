@@ -113,7 +113,7 @@ def test_every_page_is_built(site: Path) -> None:
     pages = {p.stem for p in (REPO / "docs").glob("*.md")}
     built = {p.parent.name if p.name == "index.html" else p.stem for p in site.rglob("*.html")}
     assert pages <= built | {"index"}, f"not built: {sorted(pages - built)}"
-    for required in ("quickstart", "concepts", "tasks", "deploying", "http-api", "metrics"):
+    for required in ("quickstart", "concepts", "tasks", "deploy", "http-api", "metrics"):
         assert required in pages
 
 

@@ -204,9 +204,10 @@ def _server_parser(commands: Any) -> None:
         "--liveness", type=float, default=30.0, help="seconds before a silent device is dropped"
     )
     server.add_argument(
-        "--lease", type=float, default=Timeouts().leader_lease_s, metavar="SECONDS",
-        help="the deployment's leader lease: several servers on one --db and --state-dir "
-        "form one deployment; a standby takes over within 4/3 of this after the leader dies",
+        "--lease", type=float, default=Timeouts().job_lease_s, metavar="SECONDS",
+        help="each job's lease: several servers on one --db and --state-dir form one "
+        "deployment and share the jobs; another takes a job over within 5/3 of this after "
+        "the server running it dies",
     )  # fmt: skip
     server.add_argument(
         "--poll-hold", type=float, default=Timeouts().poll_hold_s, metavar="SECONDS",
@@ -270,7 +271,7 @@ def _serve(args: argparse.Namespace) -> int:
         tls_client_ca=args.tls_client_ca,
         rate_limits=rate_limits(args.rate_limit, args.max_connections),
         timeouts=Timeouts(
-            liveness_s=args.liveness, poll_hold_s=args.poll_hold, leader_lease_s=args.lease
+            liveness_s=args.liveness, poll_hold_s=args.poll_hold, job_lease_s=args.lease
         ),
         http_port=None if args.no_http else args.http_port,
         http_host=args.http_host,

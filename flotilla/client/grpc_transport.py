@@ -118,8 +118,10 @@ class GrpcTransport:
     (inside the event loop that uses it) and again after :meth:`aclose`.
 
     ``server`` may name several servers of one deployment, ``HOST:PORT,HOST:PORT``: calls
-    go to one at a time, and after a call finds it unreachable (down, or a standby that
-    turns devices away) the next call goes to the next one, round the list.
+    go to one at a time, and after a call finds it unreachable (down, or sending the
+    device to another server of the deployment) the next call goes to the next one,
+    round the list. With one address (a load balancer's) the next call after an
+    ``UNAVAILABLE`` reconnects.
     """
 
     def __init__(
@@ -150,7 +152,9 @@ class GrpcTransport:
             reply = await self._dispatch(self._conn, known)
         except grpc.aio.AioRpcError as exc:
             error = translate(exc, _ENROL_ERRORS if isinstance(known, Enrol) else _ERRORS)
-            if type(error) is Unreachable and len(self.servers) > 1:
+            if type(error) is Unreachable and (
+                len(self.servers) > 1 or exc.code() == grpc.StatusCode.UNAVAILABLE
+            ):  # with one address, a load balancer's: reconnecting may reach another server
                 await self._next_server()
             raise error from exc
         return cast(R, reply)

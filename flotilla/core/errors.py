@@ -15,12 +15,12 @@
     ├── Unreachable          the server is away, busy or too slow: worth trying again
     │   ├── RateLimited      this caller sent too much too fast: wait retry_after_s
     │   ├── StorageUnavailable  the database or the disk cannot take writes now
-    │   └── Standby          this server is a standby: devices go to the leader
+    │   └── Redirected       another server of the deployment wants this device
     ├── TaskLoadError        a task entry point cannot be imported
     ├── ConflictError        a write that contradicts what is stored
     │   ├── RoundConflict    a round commit out of order, repeated, or on a finished job
     │   ├── JobStateError    a state change out of a terminal state
-    │   └── LeadershipLost   this server no longer holds the deployment's leader lease
+    │   └── LeaseLost        this server no longer holds the job's lease
     ├── BudgetExhausted      a job's privacy budget allows no further round
     ├── RunRecordError       a volunteer run record is missing, malformed or badly signed
     └── SimulationStalled    every simulated task waits for what no timer will bring
@@ -95,9 +95,10 @@ class StorageUnavailable(Unreachable):
     each job from its last committed round once storage is back."""
 
 
-class Standby(Unreachable):
-    """This server is a standby of a deployment (another process holds the leader lease):
-    it serves operators, not devices. A device tries the next server it was given."""
+class Redirected(Unreachable):
+    """Another server of the deployment runs jobs that lack devices, and this one has no
+    work for the caller: a device tries the next server it was given (or reconnects
+    through its load balancer)."""
 
 
 class TaskLoadError(FlotillaError, ImportError):
@@ -116,9 +117,9 @@ class JobStateError(ConflictError):
     """A state change out of a terminal state (completed, failed, cancelled)."""
 
 
-class LeadershipLost(ConflictError):
-    """A round commit by a server that no longer holds the deployment's leader lease (it
-    expired, or another process took it over): refused, nothing written."""
+class LeaseLost(ConflictError):
+    """A round commit by a server that no longer holds its job's lease (it expired, or
+    another process of the deployment took the job over): refused, nothing written."""
 
 
 class BudgetExhausted(FlotillaError):

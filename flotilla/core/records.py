@@ -212,23 +212,33 @@ class EnrolTokenRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class Leadership:
-    """The deployment's leader lease as the store holds it: which server process runs the
-    jobs and serves devices (``holder``), since which change of holder (``epoch``), until
-    when unless renewed (``expires_at``, unix seconds)."""
+class JobLease:
+    """Which server process of a deployment runs a job (``holder``), since which change of
+    holder (``epoch``), until when unless renewed (``expires_at``, unix seconds)."""
 
+    job_id: str
     holder: str
     epoch: int
     expires_at: float
 
 
 @dataclass(frozen=True, slots=True)
-class LeaderFence:
-    """What a round commit proves: the lease it was made under, and how long to extend it.
-
-    The store commits only if ``holder`` still holds the lease at ``epoch``, unexpired,
-    and extends it by ``lease_s`` in the same transaction."""
+class LeaseFence:
+    """What a round commit proves: the job's lease it was made under, and how long to
+    extend it. The store commits only if ``holder`` still holds that job's lease at
+    ``epoch``, unexpired, and extends it by ``lease_s`` in the same transaction."""
 
     holder: str
     epoch: int
     lease_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ServerPresence:
+    """A server process of a deployment, as it last announced itself: alive until
+    ``expires_at`` unless it announces again, and how many devices its waiting jobs lack,
+    per task (``wanted``: the other servers send it idle devices of those tasks)."""
+
+    holder: str
+    expires_at: float
+    wanted: tuple[tuple[str, int], ...] = ()

@@ -53,9 +53,10 @@ class Timeouts:
     #: After the database or the disk failed a job (restart, full disk), the server retries,
     #: doubling its pause up to this, and resumes the job from its last committed round.
     outage_backoff_max_s: float = 30.0
-    #: The deployment's leader lease (several servers on one database): the leader renews
-    #: it every third of this; a standby takes over within 4/3 of it after the leader dies.
-    leader_lease_s: float = 10.0
+    #: A job's lease (several servers on one database share the jobs): its holder renews
+    #: it every third of this; another server takes the job over within 5/3 of it after
+    #: the holder dies.
+    job_lease_s: float = 10.0
 
     # --- child processes and peers -----------------------------------------------------
     #: A hosted child (rendezvous, volunteer coordinator) must be ready within this.

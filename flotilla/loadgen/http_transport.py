@@ -51,22 +51,34 @@ R = TypeVar("R")
 
 
 class HttpTransport:
-    """An :class:`~flotilla.client.transport.AgentTransport` to ``http://HOST:PORT``.
+    """An :class:`~flotilla.client.transport.AgentTransport` to ``http://HOST:PORT``, or to
+    several servers of one deployment (comma-separated): calls go to one at a time, and to
+    the next after one finds it unreachable (as the agent's gRPC transport does).
 
     ``session`` is shared by the devices of one process (its connector bounds the
     connections); the transport never closes it.
     """
 
     def __init__(self, base_url: str, session: aiohttp.ClientSession) -> None:
-        self._base = base_url.rstrip("/") + PREFIX
+        self._bases = [u.strip().rstrip("/") + PREFIX for u in base_url.split(",") if u.strip()]
+        self._at = 0
         self._session = session
+
+    @property
+    def _base(self) -> str:
+        return self._bases[self._at]
 
     async def send(self, request: Request[R]) -> R:
         r = closed_set(request)
         try:
-            reply = await asyncio.wait_for(self._dispatch(r), r.timeout_s)
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise Unreachable(f"{type(r).__name__}: {type(exc).__name__}: {exc}") from exc
+            try:
+                reply = await asyncio.wait_for(self._dispatch(r), r.timeout_s)
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                raise Unreachable(f"{type(r).__name__}: {type(exc).__name__}: {exc}") from exc
+        except Unreachable as exc:
+            if type(exc) is Unreachable:
+                self._at = (self._at + 1) % len(self._bases)
+            raise
         return cast(R, reply)
 
     async def aclose(self) -> None:

@@ -72,7 +72,9 @@ class LoadPlan:
     round_deadline_s: float = 30.0
     seed: int = 0
     #: Server processes of one deployment (same database and state directory); devices
-    #: get every address (gRPC only). The first to start leads: it runs the rounds.
+    #: get every address, each worker's list starting at a different one. The servers
+    #: share the jobs (``jobs`` should be at least ``servers``) and send idle devices to
+    #: each other as their jobs need.
     servers: int = 1
 
     def __post_init__(self) -> None:
@@ -248,7 +250,7 @@ async def run_load(plan: LoadPlan, workdir: Path | None = None,
             for i in range(plan.servers)
         ]
         try:
-            for server in servers:  # one by one: the first takes the lease and leads
+            for server in servers:
                 say("starting the server")
                 await asyncio.to_thread(server.start)
             return await _run(plan, servers, say)
@@ -256,6 +258,13 @@ async def run_load(plan: LoadPlan, workdir: Path | None = None,
             say("stopping the server")
             for server in reversed(servers):
                 await asyncio.to_thread(server.stop)
+
+
+def _starting_at(addresses: list[str], worker: int) -> str:
+    """Every address, each worker's list starting at a different server: the devices
+    spread over the deployment (and move between its servers as their jobs need)."""
+    at = worker % len(addresses)
+    return ",".join(addresses[at:] + addresses[:at])
 
 
 @contextlib.contextmanager
@@ -269,17 +278,19 @@ def _workdir(given: Path | None) -> Iterator[Path]:
 
 
 async def _run(plan: LoadPlan, servers: list[ServerProcess], say: Say) -> dict[str, Any]:
-    server = servers[0]  # the leader: the operator API and the sampling go to it
+    server = servers[0]  # the operator API goes to it (any server of a deployment would do)
     token = await asyncio.to_thread(make_token, server.state_dir, plan.db_url)
     operator = (server.state_dir / "operator.token").read_text().strip()
-    target = server.http_url if plan.edge == "http" else ",".join(s.grpc_address for s in servers)
+    addresses = (
+        [s.http_url for s in servers] if plan.edge == "http" else [s.grpc_address for s in servers]
+    )
     async with OperatorApi(server.http_url, operator) as api:
         job_ids = [await api.submit(job_toml(plan, i)) for i in range(plan.jobs)]
         watch = ServerWatch()
         stop = asyncio.Event()
         watcher = asyncio.ensure_future(_watch(server.pid, api, watch, stop))
         plans = [
-            WorkerPlan(plan.edge, target, token, plan.task, n, plan.duration_s,
+            WorkerPlan(plan.edge, _starting_at(addresses, w), token, plan.task, n, plan.duration_s,
                        0.0 if plan.poll_hold_s > 0 else plan.poll_every_s, plan.ramp,
                        plan.seed * 1000 + w)
             for w, n in enumerate(_split(plan.devices, plan.workers)) if n

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -100,6 +101,32 @@ class Arbiter:
     def idle(self, task: str, policy: EligibilitySection | None = None) -> list[DeviceProfile]:
         """Idle devices for ``task`` (that ``policy`` admits) that no job has been granted."""
         return [p for p in self.pool.idle(task, policy) if p.device_id not in self._reserved]
+
+    def is_free(self, device_id: str) -> bool:
+        """Online, serving no job, and granted to none."""
+        return (
+            self.pool.is_online(device_id)
+            and self.pool.busy_with(device_id) is None
+            and device_id not in self._reserved
+        )
+
+    def _asked(self) -> Counter[str]:
+        asked: Counter[str] = Counter()
+        for waiter in self._waiting.values():
+            if not waiter.future.done():
+                asked[waiter.request.task] += waiter.request.want
+        return asked
+
+    def shortfall(self) -> dict[str, int]:
+        """Devices the waiting jobs lack, per task: what they ask for beyond the idle
+        devices of their task (what a deployment's other servers may send)."""
+        lacking = {task: n - len(self.idle(task)) for task, n in self._asked().items()}
+        return {task: n for task, n in lacking.items() if n > 0}
+
+    def surplus(self, task: str) -> int:
+        """Idle devices of ``task`` beyond what the waiting jobs ask for (those this server
+        may send to another of its deployment)."""
+        return len(self.idle(task)) - self._asked()[task]
 
     async def acquire(self, request: DeviceRequest) -> Grant:
         """Wait until the job can start a round; its devices come reserved for it."""

@@ -245,9 +245,8 @@ class FederationServer:
         await self.store.close()
 
     def _serving(self) -> bool:
-        """Ready for devices: started, not stopping, and leading its deployment (a load
-        balancer that checks ``/readyz`` sends devices to the leader only)."""
-        return self._ready and self.federation.leading
+        """Ready for devices: started and not stopping."""
+        return self._ready
 
     async def wait(self) -> None:
         assert self._edge is not None, "start() first"

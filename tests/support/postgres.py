@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,15 +67,23 @@ class Cluster:
 
     def rounds(self, job_id: str) -> list[int]:
         """The rounds of ``job_id`` committed in this cluster's database, in order."""
+        rows = self._query("SELECT round FROM rounds WHERE job_id = $1 ORDER BY round", job_id)
+        return [r["round"] for r in rows]
+
+    def holders(self) -> dict[str, int]:
+        """Job id -> process id of the server holding its lease now (unexpired ones)."""
+        rows = self._query(
+            "SELECT job_id, holder FROM job_leases WHERE expires_at > $1", time.time()
+        )
+        return {r["job_id"]: int(r["holder"].split(":")[1]) for r in rows}
+
+    def _query(self, sql: str, *args: object) -> list[Any]:
         import asyncpg
 
-        async def read() -> list[int]:
+        async def read() -> list[Any]:
             conn = await asyncpg.connect(self.url)
             try:
-                rows = await conn.fetch(
-                    "SELECT round FROM rounds WHERE job_id = $1 ORDER BY round", job_id
-                )
-                return [r["round"] for r in rows]
+                return list(await conn.fetch(sql, *args))
             finally:
                 await conn.close()
 

@@ -138,10 +138,10 @@ class HttpDevice:
     ) -> None:
         """``server``: ``http://HOST:PORT`` or ``https://...``, or several servers of one
         deployment separated by commas, tried in turn: after a call finds one unreachable
-        (down, or a standby turning devices away), the next call goes to the next
-        (``tls_ca``: the CA file to trust; ``tls_cert``/``tls_key``: this device's own
-        certificate, for a server with mutual TLS); ``retries``: broken connections
-        survived per transfer or call."""
+        (down, or sending the device to another server of the deployment), the next call
+        goes to the next (``tls_ca``: the CA file to trust; ``tls_cert``/``tls_key``: this
+        device's own certificate, for a server with mutual TLS); ``retries``: broken
+        connections survived per transfer or call."""
         self._servers = [_address(s.strip()) for s in server.split(",") if s.strip()]
         if not self._servers:
             raise WireError("no server given: http://HOST:PORT or https://HOST:PORT")
@@ -209,7 +209,7 @@ class HttpDevice:
             conn.close()
         if answer.status >= 400:
             error = error_for(answer.status, answer.body, answer.retry_after_s)
-            if type(error) is Unreachable:  # 503: busy, or a standby of the deployment
+            if type(error) is Unreachable:  # 503: busy, or sent on to another server
                 self._next_server()
             raise error
         return answer

@@ -21,7 +21,13 @@ from flotilla.core.blobs import CHUNK_BYTES
 from flotilla.core.blobstore import BlobStore
 from flotilla.core.conditions import DeviceConditions
 from flotilla.core.device import DeviceProfile
-from flotilla.core.errors import AuthError, NotFoundError, StaleRoundError, Standby, WireError
+from flotilla.core.errors import (
+    AuthError,
+    NotFoundError,
+    Redirected,
+    StaleRoundError,
+    WireError,
+)
 from flotilla.core.events import BytesSent, DeviceChanged, EventSink, Fanout, PollAnswered
 from flotilla.core.records import DeviceRecord, JobRecord, RefusalRecord, RoundRecord
 from flotilla.core.timeouts import Timeouts
@@ -36,8 +42,8 @@ from flotilla.server.federation.devices import Devices
 from flotilla.server.federation.failures import FailureCounts
 from flotilla.server.federation.gateway import Gateway
 from flotilla.server.federation.jobs import Jobs
-from flotilla.server.federation.leadership import FencedLedger, LeaderLease
 from flotilla.server.federation.peercert import PeerCertificate, check_bound
+from flotilla.server.federation.placement import FencedLedger, JobPlacement
 from flotilla.server.federation.ports import Hosted
 from flotilla.server.federation.ratelimit import RateLimiter, RateLimits
 from flotilla.server.federation.refusals import RefusalLog
@@ -106,18 +112,20 @@ class Federation:
             self._devices,
             self._events,
         )
-        self._lead = LeaderLease(
+        self._placement = JobPlacement(
             store,
-            config.timeouts.leader_lease_s,
+            config.timeouts.job_lease_s,
             clock,
-            on_lead=self._on_lead,
-            on_loss=self._on_loss,
+            wanted=self._arbiter.shortfall,
+            on_tick=self._on_tick,
         )
+        #: Idle devices to send on to the deployment's other servers at their next poll.
+        self._moving: set[str] = set()
         services = EngineServices(
             backend=self._gateway,
             leases=self._leases,
             arbiter=self._arbiter,
-            ledger=FencedLedger(store, self._lead),
+            ledger=FencedLedger(store, self._placement),
             blobs=self._blobs,
             clock=clock,
             config=engine,
@@ -131,7 +139,8 @@ class Federation:
             tasks,
             config.state_dir,
             config.timeouts.outage_backoff_max_s,
-            may_run=lambda: self._lead.leading,
+            holds=self._placement.holds,
+            claim=self._placement.claim,
         )
         self._download_slots = asyncio.Semaphore(config.download_slots)
         self._limits = RateLimiter(config.rate_limits)
@@ -140,45 +149,59 @@ class Federation:
         self._known_tokens: list[tuple[str, Scope]] = []
 
     async def start(self) -> None:
-        """Take the deployment's leader lease if free and resume the jobs a previous run
-        left unfinished; else stand by (``federation.leadership``)."""
+        """Join the deployment: take this server's share of the unfinished jobs (all of
+        them when it is alone) and run them (``federation.placement``)."""
         await self._devices.start()
         self._refusals.start()
-        await self._lead.start()
+        await self._placement.start()
 
     async def close(self) -> None:
-        # The lease first: no renewal may restart runners or reopen the gateway after
-        # this. Released, a standby may take over while the runners stop; their commits
-        # would be refused (fenced), never doubled.
-        await self._lead.stop()
+        # The leases first: no tick may restart runners after this. Ended, another server
+        # may take the jobs while the runners stop; their commits would be refused
+        # (fenced), never doubled.
+        await self._placement.stop()
         await self._jobs.stop()
         self._gateway.close()
         await self._arbiter.close()
         await self._refusals.close()
 
-    @property
-    def leading(self) -> bool:
-        """Whether this server leads its deployment (runs the jobs, serves devices)."""
-        return self._lead.leading
+    async def _on_tick(self, held: frozenset[str]) -> None:
+        """Run the jobs this server holds, stop the rest; then pick idle devices the
+        other servers' jobs lack."""
+        await self._jobs.sync(held)
+        self._plan_moves()
 
-    async def _on_lead(self) -> None:
-        """Leading, newly or still: run every unfinished job (new ones may have been
-        submitted through a standby), serve devices."""
-        self._gateway.reopen()
-        await self._jobs.resume()
+    def _plan_moves(self) -> None:
+        """Mark idle devices this server's waiting jobs do not need, up to what the
+        deployment's other servers lack per task, and end their held polls: at their next
+        poll they are sent on (:class:`Redirected`)."""
+        self._moving.clear()
+        for task, lacking in sorted(self._placement.wanted_elsewhere().items()):
+            spare = min(lacking, self._arbiter.surplus(task))
+            for profile in self._arbiter.idle(task):
+                if spare <= 0:
+                    break
+                if profile.device_id in self._moving:
+                    continue
+                self._moving.add(profile.device_id)
+                self._placement.sent(task)
+                self._gateway.wake(profile.device_id)
+                spare -= 1
 
-    async def _on_loss(self) -> None:
-        """Another process leads: stop the runners (their rounds are lost, never half
-        committed; the leader resumes them) and turn devices away."""
-        self._gateway.close()
-        await self._jobs.stop()
-
-    def _serving_devices(self) -> None:
-        if not self._lead.leading:
-            raise Standby(
-                "this server is a standby of its deployment: devices are served by the "
-                "leader; try the next server"
-            )
+    def _send_on(self, device_id: str) -> None:
+        """Redirected, if the device was picked to go to another server and is still free
+        here: it leaves this server (nothing here will select it) and polls the next."""
+        if device_id not in self._moving:
+            return
+        self._moving.discard(device_id)
+        if self._gateway.offered(device_id) or not self._arbiter.is_free(device_id):
+            return
+        self._gateway.leave(device_id, "sent to another server of the deployment")
+        self._events.emit(DeviceChanged(device_id, "offline"))
+        log.info("device %s sent on: another server's jobs lack devices", device_id)
+        raise Redirected(
+            "another server of this deployment runs jobs that lack devices: try the next server"
+        )
 
     def reap(self) -> list[str]:
         """Drop devices silent for longer than the liveness window; their ids."""
@@ -201,7 +224,6 @@ class Federation:
         """A new device. ``public_key`` (hex Ed25519) verifies its updates' signatures;
         ``cert``: its verified client certificate, whose name becomes the device id (mutual
         TLS); ``address``: where the call came from, whose enrolments are rate limited."""
-        self._serving_devices()
         if address:
             self._limits.take("enrol", address)
         if cert is None and self._config.client_certs:
@@ -212,9 +234,7 @@ class Federation:
     async def authenticate_device(
         self, device_id: str | None, secret: str | None, cert: PeerCertificate | None = None
     ) -> DeviceRecord:
-        """The device the credential names; with mutual TLS, only with its own certificate.
-        A standby turns every device away (:class:`Standby`)."""
-        self._serving_devices()
+        """The device the credential names; with mutual TLS, only with its own certificate."""
         if self._config.client_certs:
             check_bound(cert, device_id or "", required=True)
         return await self._devices.authenticate(device_id, secret)
@@ -262,11 +282,13 @@ class Federation:
         """The device's next task, waited for a while; None when there is none yet.
         ``conditions`` (battery, power, network; None: as it last said) decide which jobs
         may select it, and give up a round it was offered that its job's
-        ``[eligibility]`` no longer admits. A device over its poll rate is RateLimited."""
+        ``[eligibility]`` no longer admits. A device over its poll rate is RateLimited; one
+        this server sends to another of its deployment is Redirected."""
         self._limits.take("poll", device.id)
         if p2p_peer_id:
             self._hosted.rendezvous.peer_seen(device.id, p2p_peer_id)
         await self._devices.seen(device, profile)
+        self._send_on(device.id)
         if conditions is not None:
             self._conditions(device, conditions)
         timeouts = self._config.timeouts

@@ -91,21 +91,17 @@ class Gateway:
     #: Every job that had a round here: a job id a device names is only trusted (as a
     #: metric label, say) when it is one of these.
     _jobs: set[str] = field(default_factory=set)
-    #: Set by :meth:`close`: the server is stopping (or standing by), polls are answered
+    #: Set by :meth:`close`: the server is stopping, polls are answered
     #: at once.
     _closed: bool = False
 
     def close(self) -> None:
-        """The server is stopping or standing by (its jobs' runners are stopped, their
-        rounds closed): answer every held poll now, and every later one at once, with no
-        work, so devices hear it from the server instead of from a cut connection."""
+        """The server is stopping (its jobs' runners are stopped, their rounds closed):
+        answer every held poll now, and every later one at once, with no work, so devices
+        hear it from the server instead of from a cut connection."""
         self._closed = True
         for wakeup in self._wakeups.values():
             wakeup.set()
-
-    def reopen(self) -> None:
-        """Hold polls again (this server leads the deployment again)."""
-        self._closed = False
 
     def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> RoundStream:
         """Offer the task now (so the devices stay claimed); results stream until closed."""
@@ -171,6 +167,10 @@ class Gateway:
 
     def _owes(self, device_id: str) -> bool:
         return any(device_id in r.pending or device_id in r.awaiting for r in self._rounds.values())
+
+    def offered(self, device_id: str) -> bool:
+        """Whether work waits for the device's next poll."""
+        return device_id in self._offers
 
     def known_job(self, job_id: str) -> bool:
         """Whether ``job_id`` ran a round on this gateway (since the server started)."""

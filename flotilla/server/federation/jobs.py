@@ -6,13 +6,13 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 from flotilla.core.eligibility import EligibilitySection
 from flotilla.core.errors import (
     FlotillaError,
-    LeadershipLost,
+    LeaseLost,
     NotFoundError,
     SpecError,
     StorageUnavailable,
@@ -51,33 +51,37 @@ class Jobs:
         tasks: TaskRuntime,
         state_dir: Path,
         outage_max_s: float = Timeouts().outage_backoff_max_s,
-        may_run: Callable[[], bool] = lambda: True,
+        holds: Callable[[str], bool] = lambda job_id: True,
+        claim: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         """Job state changes the runners do not make (submitted, failed, cancelled) go to
-        ``services.events``, as the runners' own do."""
+        ``services.events``, as the runners' own do. ``holds`` says whether a job runs in
+        this process (its lease, ``federation.placement``); ``claim`` takes a just-submitted
+        one if this process should run it."""
         self._events: EventSink = Fanout((services.events,))
         self._services = services
         self._store = store
         self._tasks = tasks
         self._state_dir = state_dir
         self._outage_max_s = outage_max_s
-        #: False on a standby of a deployment: jobs run on the leader only.
-        self._may_run = may_run
+        self._holds = holds
+        self._claim = claim
         self._runners: dict[str, asyncio.Task[None]] = {}
         #: Running jobs' task and ``[eligibility]``, for device listings.
         self._policies: dict[str, tuple[str, EligibilitySection]] = {}
 
-    async def resume(self) -> None:
-        """Start a runner for every unfinished job that has none here (left by an earlier
-        run of the server, or submitted to a standby of the deployment), and stop runners
-        of jobs that finished elsewhere (cancelled through a standby)."""
-        unfinished = {job.id: job for job in await self._store.jobs_to_resume()}
-        for job_id in [j for j in self._runners if j not in unfinished]:
-            job = await self._store.get_job(job_id)
-            if job is not None and job.state == "cancelled":  # not one finishing its run
-                await self._stop_runner(job_id)
-        for job in unfinished.values():
-            self._start_runner(job)
+    async def sync(self, held: frozenset[str]) -> None:
+        """Run exactly the jobs this process holds: stop the runners of the others (given
+        back, taken over, or finished elsewhere: a round in flight is lost, never half
+        committed) and start one for every unfinished job held that has none (left by an
+        earlier run of the server, submitted through another server, or taken over)."""
+        for job_id in [j for j in self._runners if j not in held]:
+            await self._stop_runner(job_id)
+        if not held - self._runners.keys():
+            return
+        for job in await self._store.jobs_to_resume():
+            if job.id in held:
+                self._start_runner(job)
 
     async def stop(self) -> None:
         """Cancel every runner and wait for it (the store keeps what they committed)."""
@@ -132,7 +136,8 @@ class Jobs:
         await self._store.add_checkpoint(job.checkpoint_sha256, size)
         await self._store.add_job(job)
         self._events.emit(JobChanged(job.id, job.state))
-        self._start_runner(job)
+        if self._claim is None or await self._claim(job.id):
+            self._start_runner(job)
         return job
 
     async def cancel_job(self, job_id: str) -> JobRecord:
@@ -167,9 +172,8 @@ class Jobs:
                 exc, delay = again, min(self._outage_max_s, delay * 2)
 
     def _start_runner(self, job: JobRecord) -> None:
-        """Run ``job`` here, unless it runs already or this server is a standby (then the
-        leader picks it up from the store)."""
-        if job.id in self._runners or not self._may_run():
+        """Run ``job`` here, unless it runs already or another server holds it."""
+        if job.id in self._runners or not self._holds(job.id):
             return
         task = asyncio.ensure_future(self._run_job(job))
         self._runners[job.id] = task
@@ -193,8 +197,8 @@ class Jobs:
                     job = await self._after_outage(job_id, exc, outages)
         except asyncio.CancelledError:
             raise
-        except LeadershipLost as exc:
-            log.warning("job %s: %s; the deployment's leader runs it", job_id, exc)
+        except LeaseLost as exc:
+            log.warning("job %s stopped here: %s", job_id, exc)
         except FlotillaError as exc:
             log.error("job %s stopped: %s", job_id, exc)
             with contextlib.suppress(Exception):

@@ -166,14 +166,23 @@ class RefusalRow(Base):
     detail: Mapped[str] = mapped_column(Text, default="", server_default="")
 
 
-class LeadershipRow(Base):
-    """The deployment's leader lease (one row): who runs the jobs and serves devices."""
+class ServerRow(Base):
+    """A server process of the deployment: alive until ``expires_at`` unless it announces
+    itself again; the devices its waiting jobs lack, per task (JSON object)."""
 
-    __tablename__ = "leadership"
+    __tablename__ = "servers"
 
-    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128), primary_key=True)
+    expires_at: Mapped[float] = mapped_column(Double)
+    wanted_json: Mapped[str] = mapped_column(Text, default="{}", server_default="{}")
+
+
+class JobLeaseRow(Base):
+    """Which server process runs a job: renewed by the holder, and by every round commit."""
+
+    __tablename__ = "job_leases"
+
+    job_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
     holder: Mapped[str] = mapped_column(String(128))
     epoch: Mapped[int] = mapped_column(Integer)
     expires_at: Mapped[float] = mapped_column(Double)
-    grpc_address: Mapped[str] = mapped_column(String(256), default="", server_default="")
-    http_url: Mapped[str] = mapped_column(String(256), default="", server_default="")

@@ -8,6 +8,7 @@ under a row lock on the job (PostgreSQL) or a write lock on the file (SQLite).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -41,7 +42,7 @@ from flotilla.core.errors import (
     AuthError,
     ConflictError,
     JobStateError,
-    LeadershipLost,
+    LeaseLost,
     NotFoundError,
     RoundConflict,
     StorageUnavailable,
@@ -50,14 +51,15 @@ from flotilla.core.records import (
     RESUMABLE_STATES,
     DeviceRecord,
     EnrolTokenRecord,
+    JobLease,
     JobRecord,
-    LeaderFence,
-    Leadership,
+    LeaseFence,
     ParticipationRecord,
     RefusalRecord,
     RoundAccount,
     RoundCommit,
     RoundRecord,
+    ServerPresence,
 )
 from flotilla.core.timeouts import Timeouts
 from flotilla.server.federation import migrations
@@ -66,16 +68,14 @@ from flotilla.server.federation.schema import (
     CheckpointRow,
     DeviceRow,
     EnrolTokenRow,
+    JobLeaseRow,
     JobRow,
-    LeadershipRow,
     OperatorTokenRow,
     ParticipationRow,
     RefusalRow,
     RoundRow,
+    ServerRow,
 )
-
-#: The one row of the ``leadership`` table.
-LEADERSHIP_ROW = "deployment"
 
 __all__ = [
     "ConflictError",
@@ -185,8 +185,13 @@ def _device_record(row: DeviceRow) -> DeviceRecord:
     )
 
 
-def _leadership(row: LeadershipRow) -> Leadership:
-    return Leadership(row.holder, row.epoch, row.expires_at)
+def _job_lease(row: JobLeaseRow) -> JobLease:
+    return JobLease(row.job_id, row.holder, row.epoch, row.expires_at)
+
+
+def _presence(row: ServerRow) -> ServerPresence:
+    wanted = json.loads(row.wanted_json or "{}")
+    return ServerPresence(row.holder, row.expires_at, tuple(sorted(wanted.items())))
 
 
 def _job_record(row: JobRow) -> JobRecord:
@@ -644,71 +649,119 @@ class Store:
             row = await s.get(CheckpointRow, sha256)
             return None if row is None else row.size_bytes
 
-    # -- leadership ------------------------------------------------------------------------
+    # -- servers and job leases ------------------------------------------------------------
 
-    async def leadership(self) -> Leadership | None:
-        """The deployment's leader lease, or None before any server took it."""
+    async def announce(self, presence: ServerPresence) -> None:
+        """Record (or refresh) a live server process of the deployment."""
+        wanted = json.dumps(dict(presence.wanted), sort_keys=True)
+        async with self._writing() as s:
+            row = await s.get(ServerRow, presence.holder, with_for_update=True)
+            if row is None:
+                s.add(ServerRow(holder=presence.holder, expires_at=presence.expires_at,
+                                wanted_json=wanted))  # fmt: skip
+            else:
+                row.expires_at, row.wanted_json = presence.expires_at, wanted
+
+    async def servers(self, now: float) -> list[ServerPresence]:
+        """The server processes alive at ``now``, by holder."""
         async with self._reading() as s:
-            row = await s.get(LeadershipRow, LEADERSHIP_ROW)
-            return None if row is None else _leadership(row)
+            rows = await s.scalars(
+                select(ServerRow).where(ServerRow.expires_at > now).order_by(ServerRow.holder)
+            )
+            return [_presence(r) for r in rows]
 
-    async def take_leadership(
-        self, holder: str, lease_s: float, now: float, replacing: str = ""
-    ) -> Leadership | None:
-        """Take or renew the leader lease for ``holder`` until ``now + lease_s``: when no
+    async def withdraw(self, holder: str) -> None:
+        """A clean stop: the server leaves the deployment and its job leases end now, so
+        the others need not wait them out."""
+        async with self._writing() as s:
+            row = await s.get(ServerRow, holder)
+            if row is not None:
+                await s.delete(row)
+            await s.execute(
+                update(JobLeaseRow).where(JobLeaseRow.holder == holder).values(expires_at=0.0)
+            )
+
+    async def job_leases(self, job_ids: Iterable[str] | None = None) -> list[JobLease]:
+        """The leases of ``job_ids`` (default: every job) ever taken, expired ones too."""
+        query = select(JobLeaseRow).order_by(JobLeaseRow.job_id)
+        if job_ids is not None:
+            query = query.where(JobLeaseRow.job_id.in_(list(job_ids)))
+        async with self._reading() as s:
+            return [_job_lease(r) for r in await s.scalars(query)]
+
+    async def take_job(
+        self, job_id: str, holder: str, lease_s: float, now: float, replacing: str = ""
+    ) -> JobLease | None:
+        """Take or renew ``job_id``'s lease for ``holder`` until ``now + lease_s``: when no
         one holds it, ``holder`` already does, it expired, or ``replacing`` names the
         current holder (known dead). The lease as it now stands if ``holder`` holds it,
         else None. A new holder gets the next epoch."""
         async with self._writing() as s:
-            row = await s.get(LeadershipRow, LEADERSHIP_ROW, with_for_update=True)
+            row = await s.get(JobLeaseRow, job_id, with_for_update=True)
             if row is None:
-                row = LeadershipRow(name=LEADERSHIP_ROW, holder=holder, epoch=1,
-                                    expires_at=now + lease_s)  # fmt: skip
+                row = JobLeaseRow(job_id=job_id, holder=holder, epoch=1, expires_at=now + lease_s)
                 s.add(row)
-                return _leadership(row)
+                return _job_lease(row)
             ours = row.holder == holder
             if not ours and row.expires_at > now and (not replacing or row.holder != replacing):
                 return None
             if not ours:
                 row.holder, row.epoch = holder, row.epoch + 1
             row.expires_at = now + lease_s
-            return _leadership(row)
+            return _job_lease(row)
 
-    async def release_leadership(self, holder: str) -> None:
-        """End ``holder``'s lease now (a clean stop), so a standby need not wait it out."""
+    async def renew_jobs(self, holder: str, lease_s: float, now: float) -> list[JobLease]:
+        """Extend every unexpired lease ``holder`` holds to ``now + lease_s``; those leases.
+        One that expired stays expired (another server may have read it so): ``holder``
+        must take it again, and may lose it."""
+        async with self._writing() as s:
+            rows = list(
+                await s.scalars(
+                    select(JobLeaseRow)
+                    .where(JobLeaseRow.holder == holder, JobLeaseRow.expires_at > now)
+                    .order_by(JobLeaseRow.job_id)
+                    .with_for_update()
+                )
+            )
+            for row in rows:
+                row.expires_at = now + lease_s
+            return [_job_lease(r) for r in rows]
+
+    async def release_job(self, job_id: str, holder: str) -> None:
+        """End ``holder``'s lease of ``job_id`` now, so another server takes the job."""
         async with self._writing() as s:
             await s.execute(
-                update(LeadershipRow)
-                .where(LeadershipRow.name == LEADERSHIP_ROW, LeadershipRow.holder == holder)
+                update(JobLeaseRow)
+                .where(JobLeaseRow.job_id == job_id, JobLeaseRow.holder == holder)
                 .values(expires_at=0.0)
             )
 
     @staticmethod
-    async def _check_fence(s: AsyncSession, fence: LeaderFence, now: float) -> None:
-        row = await s.get(LeadershipRow, LEADERSHIP_ROW, with_for_update=True)
+    async def _check_fence(s: AsyncSession, job_id: str, fence: LeaseFence, now: float) -> None:
+        row = await s.get(JobLeaseRow, job_id, with_for_update=True)
         if row is None or (row.holder, row.epoch) != (fence.holder, fence.epoch):
-            raise LeadershipLost("another server took over the deployment: not committing")
+            raise LeaseLost(f"another server took job {job_id} over: not committing")
         if row.expires_at < now:
-            raise LeadershipLost("this server's leader lease expired: not committing")
+            raise LeaseLost(f"this server's lease of job {job_id} expired: not committing")
         row.expires_at = now + fence.lease_s
 
     # -- rounds ----------------------------------------------------------------------------
 
-    async def commit_round(self, c: RoundCommit, fence: LeaderFence | None = None) -> JobRecord:
+    async def commit_round(self, c: RoundCommit, fence: LeaseFence | None = None) -> JobRecord:
         """Store a finished round and advance its job, all in one transaction.
 
         Raises :class:`RoundConflict` (and writes nothing) unless ``c.round`` is exactly the
         job's next round and the job is not finished; the job is ``completed`` after its last
-        round and ``running`` otherwise. With a ``fence``, :class:`LeadershipLost` (nothing
-        written) unless its holder still holds the leader lease at its epoch, unexpired;
-        the lease is then extended in the same transaction.
+        round and ``running`` otherwise. With a ``fence``, :class:`LeaseLost` (nothing
+        written) unless its holder still holds the job's lease at its epoch, unexpired; the
+        lease is then extended in the same transaction.
         """
         check_commit(c)
         where = f"round {c.round} of job {c.job_id!r}"
         try:
             async with self._writing() as s:
                 if fence is not None:
-                    await self._check_fence(s, fence, c.committed_at)
+                    await self._check_fence(s, c.job_id, fence, c.committed_at)
                 # The row lock makes concurrent commits of one job queue up here; the loser
                 # then sees the winner's rounds_committed and is refused below.
                 job = await s.get(JobRow, c.job_id, with_for_update=True)

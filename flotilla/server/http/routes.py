@@ -99,10 +99,7 @@ class ServerRoutes:
 
     async def readyz(self, request: web.Request) -> web.Response:
         if not self.ready():
-            raise Unreachable(
-                "not ready: the server is starting or stopping, or a standby of its "
-                "deployment; try again shortly"
-            )
+            raise Unreachable("not ready: the server is starting or stopping; try again shortly")
         return json_response(render.dumps({"status": "ready"}))
 
     async def openapi(self, request: web.Request) -> web.Response:
