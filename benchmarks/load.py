@@ -60,7 +60,7 @@ def _row(result: dict[str, Any]) -> dict[str, Any]:
             "poll_hold_s", "database", "enrolled", "accepted_updates", "accepted_per_s",
             "rounds_committed", "retried_rounds", "round_seconds", "lost_updates",
             "duplicated_updates", "uncommitted_at_end", "not_accepted", "errors",
-            "stuck_devices", "latency_ms", "server")  # fmt: skip
+            "stuck_devices", "latency_ms", "server", "deployment")  # fmt: skip
     return {k: result[k] for k in keep}
 
 

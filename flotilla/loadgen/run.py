@@ -297,18 +297,62 @@ async def _run(plan: LoadPlan, servers: list[ServerProcess], say: Say) -> dict[s
         ]  # fmt: skip
         say(f"{plan.devices} devices on {len(plans)} workers for {plan.duration_s:.0f}s")
         started = time.monotonic()
+        before = CpuUse.now(servers)
         try:
             reports = await asyncio.gather(*(_worker(p) for p in plans))
         finally:
             stop.set()
             await watcher
         elapsed = time.monotonic() - started
+        cpu = CpuUse.now(servers).since(before)
         for job_id in job_ids:
             with contextlib.suppress(FlotillaError):
                 await api.cancel(job_id)
         rounds = [r for job_id in job_ids for r in await api.rounds(job_id)]
         retried = _retries(await api.metrics())
-    return summarize(plan, reports, rounds, watch, elapsed, retried, os.cpu_count() or 1)
+    result = summarize(plan, reports, rounds, watch, elapsed, retried, os.cpu_count() or 1)
+    result["deployment"] = cpu.summary(result["accepted_updates"])
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class CpuUse:
+    """CPU seconds of the deployment's server processes and of the whole machine."""
+
+    servers_s: float
+    machine_busy_s: float
+    machine_s: float
+
+    @staticmethod
+    def now(servers: list[ServerProcess]) -> CpuUse:
+        used = 0.0
+        for server in servers:
+            with contextlib.suppress(psutil.Error):
+                t = psutil.Process(server.pid).cpu_times()
+                used += t.user + t.system
+        machine = psutil.cpu_times()
+        idle = machine.idle + getattr(machine, "iowait", 0.0)
+        # Guest time is counted in user time already.
+        total = sum(machine) - getattr(machine, "guest", 0.0) - getattr(machine, "guest_nice", 0.0)
+        return CpuUse(used, total - idle, total)
+
+    def since(self, start: CpuUse) -> CpuUse:
+        return CpuUse(
+            self.servers_s - start.servers_s,
+            self.machine_busy_s - start.machine_busy_s,
+            self.machine_s - start.machine_s,
+        )
+
+    def summary(self, accepted: int) -> dict[str, float]:
+        """Server CPU per accepted update (the work two servers split), and how busy the
+        machine was (when it is near 1.0, a second server has no core to run on)."""
+        return {
+            "servers_cpu_s": round(self.servers_s, 2),
+            "cpu_ms_per_update": round(1000 * self.servers_s / accepted, 2) if accepted else 0.0,
+            "machine_busy": round(self.machine_busy_s / self.machine_s, 3)
+            if self.machine_s
+            else 0.0,
+        }
 
 
 def _retries(exposition: str) -> int:

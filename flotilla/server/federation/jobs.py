@@ -72,11 +72,14 @@ class Jobs:
 
     async def sync(self, held: frozenset[str]) -> None:
         """Run exactly the jobs this process holds: stop the runners of the others (given
-        back, taken over, or finished elsewhere: a round in flight is lost, never half
-        committed) and start one for every unfinished job held that has none (left by an
-        earlier run of the server, submitted through another server, or taken over)."""
+        back, taken over, or cancelled elsewhere: a round in flight is lost, never half
+        committed; one whose job just completed or failed ends by itself) and start one
+        for every unfinished job held that has none (left by an earlier run of the server,
+        submitted through another server, or taken over)."""
         for job_id in [j for j in self._runners if j not in held]:
-            await self._stop_runner(job_id)
+            job = await self._store.get_job(job_id)
+            if job is None or job.state in RESUMABLE_STATES or job.state == "cancelled":
+                await self._stop_runner(job_id)
         if not held - self._runners.keys():
             return
         for job in await self._store.jobs_to_resume():
