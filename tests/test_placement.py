@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from flotilla.core.errors import LeaseLost
+from flotilla.core.errors import LeaseLost, StorageUnavailable
 from flotilla.core.records import LeaseFence, ServerPresence
 from flotilla.server.federation.placement import FencedLedger, JobPlacement, dead_here, holder_id
 from flotilla.server.federation.store import Store
@@ -183,3 +183,24 @@ async def test_a_job_submitted_to_a_server_under_its_share_runs_there_at_once(
     assert not await a.placement.claim("job-2"), "a holds its share (1 of 2 jobs, 2 servers)"
     assert await b.placement.claim("job-2")
     assert b.placement.holds("job-2")
+
+
+async def test_a_tick_that_cannot_reach_the_store_leaves_the_jobs_for_the_next(
+    store: Store,
+) -> None:
+    """The database went away mid-tick (here: while the runners were being synced): the
+    tick says so and returns; the next one runs the held jobs."""
+    await store.add_job(make_job("job-1"))
+    outages = [StorageUnavailable("database unavailable: restarting")]
+    running: list[frozenset[str]] = []
+
+    async def on_tick(held: frozenset[str]) -> None:
+        if outages:
+            raise outages.pop()
+        running.append(held)
+
+    placement = JobPlacement(store, LEASE_S, Clock(), dict, on_tick)
+    await placement.tick()
+    assert running == [] and placement.holds("job-1")
+    await placement.tick()
+    assert running == [frozenset({"job-1"})]

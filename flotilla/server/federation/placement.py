@@ -147,7 +147,10 @@ class JobPlacement:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._lease_s / 3)
-            await self.tick()
+            try:
+                await self.tick()
+            except Exception:  # a tick that dies would end this server's share silently
+                log.exception("placing jobs failed; trying again at the next tick")
 
     async def tick(self) -> None:
         """Announce this process, renew and rebalance its leases, run what it holds."""
@@ -160,7 +163,11 @@ class JobPlacement:
         for job_id in [j for j, lease in self._held.items() if lease.expires_at <= now]:
             del self._held[job_id]
             log.warning("lost the lease of job %s: another server may run it", job_id)
-        await self._on_tick(frozenset(self._held))
+        try:
+            await self._on_tick(frozenset(self._held))
+        except StorageUnavailable as exc:  # runners start at the next tick
+            log.warning("jobs not synced with their leases: %s", exc)
+            return
         for job_id in given_back:  # its runner stopped above: another server takes it
             with contextlib.suppress(StorageUnavailable):
                 await self._store.release_job(job_id, self.holder)
