@@ -252,7 +252,7 @@ def test_selector_names_and_params_are_checked_in_the_spec() -> None:
 
     validate_spec(spec)
     with pytest.raises(
-        SpecError, match="'nope' is not one of random, fedcs, greedy, oort, rl, bayesian"
+        SpecError, match=r"'nope' is not one of random, fedcs, greedy, greedy\+, oort, rl, bayesian"
     ):
         validate_spec(JobSpec.from_dict({"scheduling": {"selector": "nope"}}))
     with pytest.raises(SpecError, match=r"scheduling\.params\.explore"):

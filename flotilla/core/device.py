@@ -18,6 +18,9 @@ class DeviceProfile:
     #: What kind of device it says it is (``phone``, ``sbc``, ``laptop``, ``gpu``...); jobs
     #: may restrict selection to some classes (``[eligibility] device_classes``).
     device_class: str = ""
+    #: Training samples the device holds, per task (import path ``module:Class``); a task it
+    #: has not counted is absent. Selectors weigh data by it (docs/scheduling.md).
+    samples: Mapping[str, int] = field(default_factory=dict)
     extra: Mapping[str, float] = field(default_factory=dict)
 
     def numbers(self) -> dict[str, float]:

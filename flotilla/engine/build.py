@@ -26,7 +26,9 @@ def selection_rng(seed: int, index: int = 0) -> random.Random:
 
 def job_selector(spec: JobSpec, pool: DevicePool, rng: random.Random) -> Selector:
     """The spec's selector (SpecError for bad parameters, e.g. a missing policy file)."""
-    return make_selector(spec.scheduling, pool, rng, spec.job.round_deadline_s, spec.job.rounds)
+    return make_selector(
+        spec.scheduling, pool, rng, spec.job.round_deadline_s, spec.job.rounds, spec.job.task
+    )
 
 
 def submitted_job(

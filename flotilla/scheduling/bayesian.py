@@ -45,6 +45,7 @@ SET_FEATURES = (
     "staleness",
     "loss",
     "explored",
+    "data",
 )
 
 
@@ -88,6 +89,7 @@ def set_features(device_rows: np.ndarray) -> np.ndarray:
             device_rows[:, _COL["staleness"]].mean(),
             device_rows[:, _COL["loss"]].mean(),
             device_rows[:, _COL["explored"]].mean(),
+            device_rows[:, _COL["data"]].mean(),
         ],
         dtype=np.float64,
     )

@@ -1,8 +1,9 @@
 """Predicted round time of a device for a job, with its uncertainty.
 
-A device never seen on a job is predicted from its profile: its measured speed and upload
-rate, scaled by what the job's other devices took (compute x GFLOP/s and transfer x bytes/s
-are roughly constant across devices for one job). Its own rounds then take over, weighted
+A device never seen on a job is predicted from its profile: its measured speed, upload
+rate and the samples it holds for the job's task, scaled by what the job's other devices
+took (compute x GFLOP/s per sample and transfer x bytes/s are roughly constant across
+devices for one job). Its own rounds then take over, weighted
 by how many there are and how much they varied. Everything is in log seconds, where a
 fleet's speeds are roughly normal, and vectorized over the candidates.
 """
@@ -44,12 +45,25 @@ class DurationModel:
     profile_of: Callable[[str], DeviceProfile | None]
     #: Guess for a job nobody has delivered on yet (seconds, for the median device).
     default_s: float = 10.0
+    #: The job's task: devices report their samples per task.
+    task: str = ""
+
+    def samples(self, job_id: str, candidates: Sequence[DeviceProfile]) -> np.ndarray:
+        """Training samples each candidate holds for the task: what its profile says, else
+        what it last trained on for this job; 0 where neither is known."""
+        records = self.history.job(job_id)
+        out = np.zeros(len(candidates))
+        for i, c in enumerate(candidates):
+            told = c.samples.get(self.task, 0)
+            rec = records.get(c.device_id)
+            out[i] = told if told > 0 else (rec.last_samples if rec is not None else 0)
+        return out
 
     def predict(self, job_id: str, candidates: Sequence[DeviceProfile]) -> Prediction:
         records = self.history.job(job_id)
         gflops = np.array([max(c.gflops, 0.0) for c in candidates], dtype=np.float64)
         upload = np.array([max(c.upload_bytes_per_s, 0.0) for c in candidates], dtype=np.float64)
-        prior = np.log(self._prior_seconds(job_id, gflops, upload))
+        prior = np.log(self._prior_seconds(job_id, gflops, upload, self.samples(job_id, candidates)))
         n = np.zeros(len(candidates))
         own_mean = np.zeros(len(candidates))
         own_var = np.full(len(candidates), MIN_LOG_STD**2)
@@ -75,27 +89,40 @@ class DurationModel:
         p_fail = (fails + 1.0) / (picks + 5.0)
         return Prediction(mean, std, p_fail)
 
-    def _prior_seconds(self, job_id: str, gflops: np.ndarray, upload: np.ndarray) -> np.ndarray:
-        """Profile-based guess: job-wide compute and transfer constants over this device's
-        speed and upload rate; devices without a measurement get the fleet's median."""
+    def _prior_seconds(
+        self, job_id: str, gflops: np.ndarray, upload: np.ndarray, data: np.ndarray
+    ) -> np.ndarray:
+        """Profile-based guess: job-wide compute (per sample) and transfer constants over
+        this device's speed, upload rate and samples; devices without a measurement get
+        the fleet's median."""
         gflops = _fill_unmeasured(gflops)
         upload = _fill_unmeasured(upload)
-        work, volume = self._job_constants(job_id)
+        known = data[data > 0]
+        # Samples relative to the candidates' median: 1 for a device that did not say, and
+        # for every device when none did (the time model before devices reported data).
+        typical = float(np.median(known)) if known.size else None
+        size = _fill_unmeasured(data) / typical if typical else np.ones(len(data))
+        work, volume = self._job_constants(job_id, typical)
         if work is None or volume is None:
-            # Nothing delivered on this job yet: the default, slower for slower devices.
-            return np.asarray(self.default_s * float(np.median(gflops)) / gflops)
-        return np.asarray(np.maximum(work / gflops + volume / upload, 1e-3))
+            # Nothing delivered on this job yet: the default, slower for slower devices
+            # and for more data.
+            return np.asarray(self.default_s * float(np.median(gflops)) * size / gflops)
+        return np.asarray(np.maximum(work * size / gflops + volume / upload, 1e-3))
 
-    def _job_constants(self, job_id: str) -> tuple[float | None, float | None]:
-        """(compute seconds x GFLOP/s, transfer seconds x bytes/s), medians over the job's
-        devices with a profile, or None before any delivered."""
+    def _job_constants(
+        self, job_id: str, typical: float | None
+    ) -> tuple[float | None, float | None]:
+        """(compute seconds x GFLOP/s for ``typical`` samples, transfer seconds x bytes/s),
+        medians over the job's devices with a profile, or None before any delivered."""
         works, volumes = [], []
         for device_id, rec in self.history.job(job_id).items():
             profile = self.profile_of(device_id)
             if rec.delivered == 0 or profile is None:
                 continue
+            trained = profile.samples.get(self.task, 0) or rec.last_samples
+            size = trained / typical if trained > 0 and typical else 1.0
             if profile.gflops > 0:
-                works.append(rec.compute_s * profile.gflops)
+                works.append(rec.compute_s * profile.gflops / size)
             if profile.upload_bytes_per_s > 0:
                 volumes.append(rec.transfer_s * profile.upload_bytes_per_s)
         if not works or not volumes:

@@ -24,6 +24,7 @@ DEVICE_FEATURES = (
     "staleness",  # rounds since it last served this job, relative to the job's rounds
     "loss",  # last training loss it reported, relative to the candidates' mean
     "explored",  # 1 once it has delivered for this job
+    "data",  # log of its samples for the task over the candidates' median (0: unknown)
 )
 
 
@@ -45,6 +46,10 @@ def device_features(
     mean_loss = float(losses[known].mean()) if known.any() else 1.0
     loss = np.where(known, losses / max(mean_loss, 1e-6), 1.0)
     delivered = np.array([1.0 if r is not None and r.delivered else 0.0 for r in recs])
+    samples = model.samples(job_id, candidates)
+    known = samples > 0
+    typical = float(np.median(samples[known])) if known.any() else 1.0
+    data = np.where(known, np.log(np.maximum(samples, 1.0) / typical), 0.0)
     out = np.stack(
         [
             pred.log_mean - math.log(max(deadline_s, 1e-3)),
@@ -54,6 +59,7 @@ def device_features(
             np.where(last > 0, (rounds - last) / rounds, 1.0),
             np.clip(loss, 0.0, 10.0),
             delivered,
+            data,
         ],
         axis=1,
     )

@@ -13,6 +13,7 @@ from flotilla.core.spec import SchedulingSection
 from flotilla.core.tables import build_dataclass
 from flotilla.scheduling.bayesian import BayesianParams, BayesianSelector
 from flotilla.scheduling.cost import CostModel
+from flotilla.scheduling.data_greedy import DataGreedyParams, DataGreedySelector
 from flotilla.scheduling.duration import DurationModel
 from flotilla.scheduling.heuristics import (
     FedCSParams,
@@ -85,6 +86,13 @@ _SELECTORS: Mapping[str, SelectorInfo] = MappingProxyType(
                 "adds the device that raises alpha*T + beta*F least",
             ),
             SelectorInfo(
+                "greedy+",
+                DataGreedyParams,
+                lambda c, p: DataGreedySelector(c.durations, c.cost, p),
+                "greedy's pace and fairness, preferring data (samples x loss) at an "
+                "explicit data-for-time rate",
+            ),
+            SelectorInfo(
                 "oort",
                 OortParams,
                 lambda c, p: OortSelector(c.durations, c.rng, p),
@@ -129,10 +137,12 @@ def make_selector(
     rng: random.Random,
     deadline_s: float,
     rounds_total: int = 100,
+    task: str = "",
 ) -> Selector:
-    """The job's selector, reading the pool's shared history."""
+    """The job's selector, reading the pool's shared history (and the samples devices
+    report for ``task``, the job's task)."""
     params = selector_params(section)
-    durations = DurationModel(pool.history, pool.profile, default_s=deadline_s / 4)
+    durations = DurationModel(pool.history, pool.profile, default_s=deadline_s / 4, task=task)
     cost = CostModel(section.alpha, section.beta)
     context = SelectionContext(durations, cost, deadline_s, rng, rounds_total)
     return _SELECTORS[section.selector].build(context, params)

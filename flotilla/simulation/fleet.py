@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from flotilla.core.device import DeviceProfile
 from flotilla.scheduling import Leases
@@ -28,8 +28,12 @@ class Fleet:
         availability: AvailabilitySection,
         seed: int,
         leases: Leases,
+        samples: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
+        """``samples``: per task, the training samples of each device's shard (by index),
+        as a real device reports them with its profile."""
         self.devices = {d.device_id: d for d in devices}
+        counts = samples or {}
         self.pool = leases.pool
         self._leases = leases  # a device going offline frees it from its job
         self._profiles = {
@@ -38,6 +42,7 @@ class Fleet:
                 tasks=tasks,
                 gflops=d.speed,
                 upload_bytes_per_s=d.upload_bytes_per_s,
+                samples={task: int(sizes[d.index]) for task, sizes in counts.items()},
                 extra={
                     "download_bytes_per_s": d.download_bytes_per_s,
                     "latency_s": d.latency_s,

@@ -256,7 +256,9 @@ async def _simulate(
     leases = Leases(pool)
     tasks = tuple(sorted({spec.job.task for spec in experiment.jobs}))
     virtual = draw_devices(pop, seed)
-    fleet = Fleet(virtual, tasks, pop.availability, seed, leases)
+    fleet = Fleet(
+        virtual, tasks, pop.availability, seed, leases, _shard_sizes(experiment, trainers)
+    )
     blobs = BlobStore(scratch / "blobs")
     backend = SimBackend(fleet, leases, blobs, trainers, pop, experiment.seed, scratch / "clients")
     bar = _progress(experiment, progress)
@@ -360,6 +362,23 @@ async def _run_job(runner: JobRunner, ledger: SimLedger) -> None:
     except FlotillaError as exc:
         log.error("job %s failed: %s", runner.job.name, exc)
         await ledger.set_job_state(runner.job.id, "failed")
+
+
+def _shard_sizes(
+    experiment: Experiment, trainers: Mapping[str, ClientTrainer]
+) -> dict[str, list[int]]:
+    """Per task, each device's training samples, as devices report them with their
+    profile: from the data of the first job on the task (jobs of one task whose data
+    differs are told the first one's sizes, as a device holds one data set per task)."""
+    sizes: dict[str, list[int]] = {}
+    for spec in experiment.jobs:
+        task = spec.job.task
+        if task not in sizes:
+            shards = trainers[task].shards
+            sizes[task] = [
+                shards.get(spec.data, i).num_train for i in range(experiment.population.clients)
+            ]
+    return sizes
 
 
 def _trainers(experiment: Experiment, devices: list[str], backend: str) -> dict[str, ClientTrainer]:

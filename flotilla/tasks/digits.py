@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -129,6 +130,13 @@ class AugmentParams:
     #: follows the shard index (with ``population.speed_order = "ascending"``: slow
     #: devices hold different labels than fast ones).
     label_skew: str = "random"
+    #: How shard sizes spread over ``min..max_samples``: ``uniform`` or ``loguniform``
+    #: (most shards small, a few large, as data on real devices is).
+    size_dist: str = "uniform"
+    #: Correlation (-1..1) of a shard's size with its index; with
+    #: ``population.speed_order = "ascending"`` (device 0 the slowest) a negative value
+    #: gives slower devices larger shards.
+    size_skew: float = 0.0
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> AugmentParams:
@@ -139,7 +147,25 @@ class AugmentParams:
             raise ValueError("data.params: need 2 <= min_samples <= max_samples")
         if made.label_skew not in ("random", "by_index"):
             raise ValueError("data.params.label_skew must be random or by_index")
+        if made.size_dist not in ("uniform", "loguniform"):
+            raise ValueError("data.params.size_dist must be uniform or loguniform")
+        if not -1.0 <= made.size_skew <= 1.0:
+            raise ValueError("data.params.size_skew must be in [-1, 1]")
         return made
+
+    def shard_size(self, shard: Shard, rng: np.random.Generator) -> int:
+        """Samples of ``shard``: a quantile of the size distribution drawn from a Gaussian
+        copula, so ``size_skew`` correlates it with the shard's index whatever the spread."""
+        if self.size_dist == "uniform" and self.size_skew == 0.0:
+            return int(rng.integers(self.min_samples, self.max_samples + 1))
+        normal = NormalDist()
+        rank = normal.inv_cdf((shard.index + 0.5) / shard.count)
+        own = float(rng.standard_normal())
+        q = normal.cdf(self.size_skew * rank + math.sqrt(1.0 - self.size_skew**2) * own)
+        lo, hi = self.min_samples, self.max_samples + 1
+        if self.size_dist == "loguniform":
+            return min(int(math.exp(math.log(lo) + q * (math.log(hi) - math.log(lo)))), hi - 1)
+        return min(lo + int(q * (hi - lo)), hi - 1)
 
 
 def augment_digits(images: np.ndarray, rng: np.random.Generator, p: AugmentParams) -> np.ndarray:
@@ -230,7 +256,7 @@ class DigitsTask:
         shifted, rotated and noised. The held-out split is never touched."""
         x_pool, y_pool, _, _ = self._data()
         rng = np.random.default_rng([data.seed % 2**64, shard.count, shard.index, 1])
-        n = int(rng.integers(p.min_samples, p.max_samples + 1))
+        n = p.shard_size(shard, rng)
         mix = np.nan_to_num(rng.dirichlet(np.full(NUM_CLASSES, data.alpha)), nan=0.1)
         if p.label_skew == "by_index":
             dominant = shard.index * NUM_CLASSES // shard.count

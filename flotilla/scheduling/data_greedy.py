@@ -1,0 +1,187 @@
+"""``greedy+``: greedy's pace and fairness, but the round's data counts too.
+
+Greedy minimises ``alpha * T + beta * F`` and so leans to small shards, which are fast;
+yet how far a round moves the model depends on the data it trains on. Under
+sample-weighted averaging a round's update is the weighted mean of its devices' updates,
+and each device's update grows with its local steps (its samples, for a fixed batch size
+and epochs) and with how much it still has to learn (its loss). So a set's **utility** is
+the sample-weighted mean of ``samples x loss`` (Oort's statistical utility, per device).
+
+Every pace ``P`` a round could run at (the candidates' predicted times) proposes one set:
+the devices that fit it, least picked first as greedy's fairness wants and, among equals,
+the most useful. The pace chosen minimises
+
+    alpha * P * (U_greedy / U) ** rate + beta * F
+
+where ``U`` is the set's utility and ``U_greedy`` that of greedy's set (the one that
+minimises ``alpha * P + beta * F``). ``rate`` is the exchange rate, explicit: a round whose
+utility is ``x`` times greedy's moves the model ``x ** rate`` times as far, so it may take
+that much longer. With ``rate = 0`` this is greedy's cost. Stateless: everything comes from
+the pool's history.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from flotilla.core.device import DeviceProfile
+from flotilla.scheduling.cost import CostModel
+from flotilla.scheduling.duration import DurationModel
+from flotilla.scheduling.history import RoundOutcome
+from flotilla.scheduling.selector import Stateless
+
+@dataclass(frozen=True, slots=True)
+class DataGreedyParams:
+    """``greedy+``: the knobs a tuner may turn (docs/scheduling.md)."""
+
+    #: Data-for-time exchange rate (see the module doc): 0 is greedy's cost; 0.5 says a
+    #: round's progress grows with the square root of its useful data.
+    data_rate: float = 0.5
+    #: Exponent of a device's last loss (relative to the candidates' mean) in its utility:
+    #: 0 counts samples only.
+    loss_weight: float = 1.0
+    #: Predicted times are taken at this many standard deviations above the median.
+    confidence_z: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.data_rate >= 0 or not self.loss_weight >= 0:
+            raise ValueError("data_rate and loss_weight must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class PaceChoice:
+    """One decision: the chosen devices (candidate positions) and the paces compared."""
+
+    picks: np.ndarray
+    pace_s: float
+    greedy_pace_s: float
+
+
+class DataGreedySelector(Stateless):
+    """Greedy with data utility among devices that fit the pace (see the module doc)."""
+
+    def __init__(self, model: DurationModel, cost: CostModel, params: DataGreedyParams) -> None:
+        self._model = model
+        self._cost = cost
+        self.params = params
+
+    def select(self, job_id: str, candidates: Sequence[DeviceProfile], count: int) -> list[str]:
+        if not candidates or count <= 0:
+            return []
+        choice = self.choose(job_id, candidates, count, self.params)
+        return [candidates[int(i)].device_id for i in choice.picks]
+
+    def choose(
+        self,
+        job_id: str,
+        candidates: Sequence[DeviceProfile],
+        count: int,
+        params: DataGreedyParams,
+    ) -> PaceChoice:
+        """The decision with ``params`` (a tuner may pass other knobs than its own)."""
+        model = self._model
+        n = len(candidates)
+        k = min(count, n)
+        seconds = model.predict(job_id, candidates).seconds(params.confidence_z)
+        counts = model.history.selection_counts(job_id, (c.device_id for c in candidates))
+        value = utility(model, job_id, candidates, params.loss_weight)
+        weight = samples_or_typical(model, job_id, candidates)
+        # Least picked first (greedy's fairness), then the most useful, then the fastest.
+        rank = np.empty(n, dtype=np.int64)
+        rank[np.lexsort((seconds, -value, counts))] = np.arange(n)
+        sets = _PaceSets(seconds, rank, k)
+        # Greedy's fairness cost of each set: what it adds to the variance of the counts
+        # (the rest of the variance is the same for every set of k devices).
+        fairness = self._cost.beta * sets.total(2.0 * counts + 1.0) / n
+        time_cost = self._cost.alpha * sets.paces
+        base = int(np.argmin(time_cost + fairness))
+        # Each set's utility: the mean of its devices' utility, weighted as aggregation
+        # weighs their updates (by samples).
+        data = np.maximum(sets.total(weight * value) / sets.total(weight), 1e-12)
+        per_progress = time_cost * (data[base] / data) ** params.data_rate
+        best = int(np.argmin(per_progress + fairness))
+        return PaceChoice(sets.members(best), float(sets.paces[best]), float(sets.paces[base]))
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        """Learning lives in the duration model's history."""
+
+
+def samples_or_typical(
+    model: DurationModel, job_id: str, candidates: Sequence[DeviceProfile]
+) -> np.ndarray:
+    """Samples per candidate: the typical device's where unknown; 1 each when none said."""
+    samples = model.samples(job_id, candidates)
+    known = samples > 0
+    return np.where(known, samples, float(np.median(samples[known])) if known.any() else 1.0)
+
+
+def utility(
+    model: DurationModel, job_id: str, candidates: Sequence[DeviceProfile], loss_weight: float
+) -> np.ndarray:
+    """Per candidate: its samples times its last loss relative to the candidates' mean, to
+    ``loss_weight`` (a device not yet heard from counts as the mean)."""
+    samples = samples_or_typical(model, job_id, candidates)
+    if loss_weight == 0:
+        return samples
+    records = model.history.job(job_id)
+    losses = np.full(len(candidates), np.nan)
+    for i, c in enumerate(candidates):
+        rec = records.get(c.device_id)
+        if rec is not None and rec.last_loss is not None and rec.last_loss >= 0:
+            losses[i] = rec.last_loss
+    seen = ~np.isnan(losses)
+    mean = float(losses[seen].mean()) if seen.any() else 0.0
+    ratio = np.where(seen, losses / mean, 1.0) if mean > 0 else np.ones(len(candidates))
+    return np.asarray(samples * np.clip(ratio, 0.25, 4.0) ** loss_weight)
+
+
+class _PaceSets:
+    """The set each pace proposes: the ``k`` best-ranked devices no slower than it.
+
+    Sweeping the devices from fastest to slowest, each that outranks the worst of the
+    current set replaces it, and the set so formed runs at that device's pace (a device
+    that does not get in only makes the same set slower, so it proposes nothing).
+    O(n log k) per decision.
+    """
+
+    def __init__(self, seconds: np.ndarray, rank: np.ndarray, k: int) -> None:
+        self._rank = rank
+        self._k = k
+        self._by_time = np.argsort(seconds, kind="stable")
+        #: Per proposed set: the device that completed it and the one it replaced (-1).
+        joined: list[int] = []
+        left: list[int] = []
+        worst: list[tuple[int, int]] = []  # heap of (-rank, device)
+        for i in self._by_time.tolist():
+            out = -1
+            if len(worst) == k:
+                if rank[i] > -worst[0][0]:
+                    continue
+                out = heapq.heappushpop(worst, (-int(rank[i]), i))[1]
+            else:
+                heapq.heappush(worst, (-int(rank[i]), i))
+            if len(worst) == k:
+                joined.append(i)
+                left.append(out)
+        self._joined = np.array(joined, dtype=np.int64)
+        self._left = np.array(left, dtype=np.int64)
+        self.paces = seconds[self._joined]
+
+    def total(self, per_device: np.ndarray) -> np.ndarray:
+        """``sum(per_device)`` over each proposed set."""
+        first = float(per_device[self.members(0)].sum())
+        change = per_device[self._joined] - np.where(self._left >= 0, per_device[self._left], 0.0)
+        change[0] = first
+        return np.cumsum(change)
+
+    def members(self, index: int) -> np.ndarray:
+        """The devices (candidate positions) of proposed set ``index``."""
+        chosen = set(self._by_time[: self._k].tolist())  # until the set is full, all join
+        for joined, left in zip(self._joined[1 : index + 1], self._left[1 : index + 1]):
+            chosen.discard(int(left))
+            chosen.add(int(joined))
+        return np.array(sorted(chosen), dtype=np.int64)
