@@ -25,7 +25,7 @@ ROUND_FIELDS = {
 }  # fmt: skip
 DEVICE_FIELDS = {
     "id", "state", "job", "device_class", "tasks", "gflops", "upload_bytes_per_s", "last_seen",
-    "rounds_served", "failures", "ineligible_reason",
+    "rounds_served", "failures", "ineligible_reason", "samples",
 }  # fmt: skip
 
 
@@ -117,6 +117,9 @@ async def _check_devices(s: HttpServer) -> None:
         assert d["rounds_served"] == 3  # two agents, two per round: each served all three
         assert d["device_class"] in ("light", "cpu", "accelerated")
         assert d["failures"] == {} and d["last_seen"] > 0
+        # Counted when its first round loaded its shard, reported with the next poll.
+        assert d["samples"] == cli[d["id"]]["samples"]
+        assert list(d["samples"]) == d["tasks"] and min(d["samples"].values()) > 0
 
 
 async def _check_model_and_metrics(s: HttpServer, job_id: str) -> None:

@@ -154,13 +154,17 @@ def _devices_list(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(devices, indent=2))
             return 0
-        print(f"{'ID':20} {'STATE':10} {'JOB / REASON':28} {'GFLOPS':>8} {'UP MB/s':>8} SELECTED")
+        print(
+            f"{'ID':20} {'STATE':10} {'JOB / REASON':28} {'GFLOPS':>8} {'UP MB/s':>8} "
+            f"{'SAMPLES':>8} SELECTED"
+        )
         for d in devices:
             note = d["job_id"] or d["reason"] or ""
             picks = sum(d["selected"].values())
+            held = str(sum(d["samples"].values())) if d["samples"] else "-"
             print(
                 f"{d['id']:20} {d['state']:10} {note[:28]:28} {d['gflops']:8.1f} "
-                f"{d['upload_bytes_per_s'] / 1e6:8.1f} {picks}"
+                f"{d['upload_bytes_per_s'] / 1e6:8.1f} {held:>8} {picks}"
             )
         return 0
 

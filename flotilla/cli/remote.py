@@ -69,6 +69,8 @@ def device_json(info: pb.DeviceInfo) -> dict[str, Any]:
         ),
         # Running job -> why that job may not select it now.
         "ineligible": dict(info.ineligible),
+        # Task -> training samples it holds, as it last reported.
+        "samples": dict(info.samples),
     }
 
 

@@ -42,7 +42,7 @@ from flotilla.client.transport import (
 from flotilla.core.allreduce import Contribution, GroupAveraging
 from flotilla.core.blobs import BlobAssembler, iter_chunks
 from flotilla.core.conditions import DeviceConditions
-from flotilla.core.device import DeviceProfile
+from flotilla.core.device import MAX_SAMPLES, DeviceProfile
 from flotilla.core.eligibility import EligibilitySection, ineligibility
 from flotilla.core.errors import (
     AuthError,
@@ -89,6 +89,10 @@ class Agent:
         self._identity: DeviceIdentity | None = None
         self._model: tuple[str, memoryview] | None = None
         self._pending_profile: DeviceProfile | None = None
+        #: The whole profile as last sent (measured at connect), which a new count changes.
+        self._reported: DeviceProfile | None = None
+        #: Task -> training samples its data holds, counted when the task first loaded it.
+        self._samples: dict[str, int] = {}
         self._averager: GroupAveraging | None = None  # made at the first p2p round
         self._p2p = config.p2p
         self._peer_id = ""
@@ -129,6 +133,7 @@ class Agent:
         self._backoff.reset()
         upload = await self._speed_test()
         self._pending_profile = dataclasses.replace(profile, upload_bytes_per_s=upload)
+        self._reported = self._pending_profile
 
     def _p2p_identity(self) -> str:
         """This device's hivemind peer id, made before its peer starts so the server can name
@@ -152,7 +157,19 @@ class Agent:
             gflops=matmul_gflops(),
             memory_bytes=memory_bytes(),
             device_class=self.config.device_class,
+            samples=dict(self._samples),
         )
+
+    def _counted(self, held: int | None) -> None:
+        """The samples the task's data holds, known once it loaded (the first round): a
+        new count goes to the server with the next poll's profile."""
+        task = self.config.trainer.task_name
+        if held is None or self._samples.get(task) == min(held, MAX_SAMPLES):
+            return
+        self._samples[task] = min(held, MAX_SAMPLES)
+        if self._reported is not None:
+            self._reported = dataclasses.replace(self._reported, samples=dict(self._samples))
+            self._pending_profile = self._reported
 
     async def _enrol(self, profile: DeviceProfile) -> DeviceCredential:
         identity = DeviceIdentity.generate()
@@ -250,6 +267,7 @@ class Agent:
                 return  # given up while downloading
             work = TrainWork(task.job_id, int(task.seed), config, task.uplink_codec)
             outcome = await asyncio.to_thread(self.config.trainer.train, model, work)
+            self._counted(outcome.samples_held)
             if not round_open.is_set():
                 log.info(
                     "round %d of %s closed while training; not uploading", task.round, task.job_id

@@ -287,6 +287,7 @@ def profile_to_pb(profile: DeviceProfile) -> pb.DeviceProfile:
         memory_bytes=profile.memory_bytes,
         upload_bytes_per_s=profile.upload_bytes_per_s,
         device_class=profile.device_class,
+        samples=dict(profile.samples),
     )
 
 

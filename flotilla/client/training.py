@@ -52,6 +52,9 @@ class TrainOutcome:
     codec: str = "none"
     #: Server-less rounds: the update itself, for the all-reduce (``payload`` is empty).
     delta: ModelState | None = None
+    #: Training samples the task's data on this device holds (``LocalRound.samples_held``);
+    #: None where the task cannot tell.
+    samples_held: int | None = None
 
     def __post_init__(self) -> None:
         if not self.payload_sha256:
@@ -118,18 +121,18 @@ class LocalTrainer:
         global_state = decode_model(model_bytes, config)
         trained = self.training(global_state, config.train, config.data, work.seed)
         metrics, local = trained.metrics, trained.state
-        num_samples = trained.num_samples
+        num_samples, held = trained.num_samples, trained.samples_held
         delta: ModelState = {name: local[name] - global_state[name] for name in global_state}
         del local, trained
         pipeline = self.pipeline(config, work.codec)
         delta = pipeline.smooth(work.job_id, delta)
         if config.p2p is not None or config.secagg is not None:
             # Averaged with the group on hivemind's wire, or masked (SecAgg+ quantizes it).
-            return TrainOutcome(int(num_samples), metrics, b"", delta=delta)
+            return TrainOutcome(int(num_samples), metrics, b"", delta=delta, samples_held=held)
         if pipeline.residuals is not None:
             held_for = self._residual_codec.get(work.job_id, work.codec)
             if held_for != work.codec:
                 pipeline.residuals.put(work.job_id, {})
             self._residual_codec[work.job_id] = work.codec
         payload = pipeline.encode(work.job_id, delta)
-        return TrainOutcome(int(num_samples), metrics, payload, codec=work.codec)
+        return TrainOutcome(int(num_samples), metrics, payload, codec=work.codec, samples_held=held)

@@ -36,6 +36,8 @@ class DeviceRecord:
     public_key: str = ""
     #: When the operator revoked it (``time.time()``); None while it is trusted.
     revoked_at: float | None = None
+    #: Training samples it holds per task (``DeviceProfile.samples``); empty: none counted.
+    samples: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

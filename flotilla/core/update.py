@@ -34,3 +34,6 @@ class LocalRound:
     metrics: dict[str, float]
     #: The trained model, whole (the client takes the delta from the global model).
     state: ModelState
+    #: Training samples the device's data for the task holds, counted when it loaded (the
+    #: device reports them in its profile); None where the task cannot tell.
+    samples_held: int | None = None

@@ -89,6 +89,8 @@ class DeviceStatus:
     failures: Mapping[str, int] = field(default_factory=dict)
     #: Why the device may not be selected now; empty when it may.
     ineligible_reason: str = ""
+    #: Task -> training samples it holds, as it last reported (tasks it did not count absent).
+    samples: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

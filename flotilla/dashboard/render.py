@@ -102,6 +102,7 @@ def device_json(d: DeviceStatus) -> dict[str, Any]:
         "rounds_served": d.rounds_served,
         "failures": {str(k): int(v) for k, v in d.failures.items()},
         "ineligible_reason": d.ineligible_reason,
+        "samples": {str(k): int(v) for k, v in d.samples.items()},
     }
 
 

@@ -7,18 +7,27 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DeviceProfile(_message.Message):
-    __slots__ = ("tasks", "gflops", "memory_bytes", "upload_bytes_per_s", "device_class")
+    __slots__ = ("tasks", "gflops", "memory_bytes", "upload_bytes_per_s", "device_class", "samples")
+    class SamplesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GFLOPS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     DEVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedScalarFieldContainer[str]
     gflops: float
     memory_bytes: int
     upload_bytes_per_s: float
     device_class: str
-    def __init__(self, tasks: _Optional[_Iterable[str]] = ..., gflops: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., upload_bytes_per_s: _Optional[float] = ..., device_class: _Optional[str] = ...) -> None: ...
+    samples: _containers.ScalarMap[str, int]
+    def __init__(self, tasks: _Optional[_Iterable[str]] = ..., gflops: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., upload_bytes_per_s: _Optional[float] = ..., device_class: _Optional[str] = ..., samples: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class DeviceConditions(_message.Message):
     __slots__ = ("charging", "battery", "network", "idle", "thermal")
@@ -421,7 +430,7 @@ class ListDevicesRequest(_message.Message):
     def __init__(self, task: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
-    __slots__ = ("id", "state", "job_id", "reason", "tasks", "gflops", "upload_bytes_per_s", "last_seen", "selected", "device_class", "conditions", "ineligible")
+    __slots__ = ("id", "state", "job_id", "reason", "tasks", "gflops", "upload_bytes_per_s", "last_seen", "selected", "device_class", "conditions", "ineligible", "samples")
     class SelectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +445,13 @@ class DeviceInfo(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class SamplesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -448,6 +464,7 @@ class DeviceInfo(_message.Message):
     DEVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
     CONDITIONS_FIELD_NUMBER: _ClassVar[int]
     INELIGIBLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: str
     job_id: str
@@ -460,7 +477,8 @@ class DeviceInfo(_message.Message):
     device_class: str
     conditions: DeviceConditions
     ineligible: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ..., reason: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., gflops: _Optional[float] = ..., upload_bytes_per_s: _Optional[float] = ..., last_seen: _Optional[float] = ..., selected: _Optional[_Mapping[str, int]] = ..., device_class: _Optional[str] = ..., conditions: _Optional[_Union[DeviceConditions, _Mapping]] = ..., ineligible: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    samples: _containers.ScalarMap[str, int]
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ..., reason: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., gflops: _Optional[float] = ..., upload_bytes_per_s: _Optional[float] = ..., last_seen: _Optional[float] = ..., selected: _Optional[_Mapping[str, int]] = ..., device_class: _Optional[str] = ..., conditions: _Optional[_Union[DeviceConditions, _Mapping]] = ..., ineligible: _Optional[_Mapping[str, str]] = ..., samples: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ListDevicesReply(_message.Message):
     __slots__ = ("devices",)

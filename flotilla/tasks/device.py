@@ -49,7 +49,7 @@ class ShardTraining:
         metrics = {**metrics, COMPUTE_METRIC: time.perf_counter() - started}
         metrics = {**metrics, **task.evaluate(model, local.val)}
         numbers = {k: float(v) for k, v in metrics.items()}
-        return LocalRound(int(num_samples), numbers, model_state(model))
+        return LocalRound(int(num_samples), numbers, model_state(model), local.num_train)
 
     def _load(self) -> Task:
         if self.task is None:

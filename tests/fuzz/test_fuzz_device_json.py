@@ -16,7 +16,10 @@ pytestmark = [pytest.mark.fuzz, pytest.mark.xdist_group("fuzz"), pytest.mark.tim
 
 _SHA = "0" * 64
 _CONDITIONS = {"charging": True, "battery": 0.8, "network": "wifi", "idle": True}
-_PROFILE = {"tasks": ["a.b:C"], "gflops": 2.0, "memory_bytes": 1 << 30, "device_class": "phone"}
+_PROFILE = {
+    "tasks": ["a.b:C"], "gflops": 2.0, "memory_bytes": 1 << 30, "device_class": "phone",
+    "samples": {"a.b:C": 120},
+}  # fmt: skip
 _REF = {"job_id": "job-1", "round": 2, "round_token": "t" * 32}
 SEEDS = tuple(
     json.dumps(body).encode()

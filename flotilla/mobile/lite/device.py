@@ -89,6 +89,7 @@ class LiteDevice:
             gflops=matmul_gflops(seconds=0.1),
             memory_bytes=memory_bytes(),
             device_class=device_class,
+            samples=trainer.samples,
         )
 
     def sign_in(self, token: str) -> str:

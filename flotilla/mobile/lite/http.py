@@ -481,6 +481,7 @@ def profile_json(profile: DeviceProfile) -> dict[str, Any]:
         "memory_bytes": profile.memory_bytes,
         "upload_bytes_per_s": profile.upload_bytes_per_s,
         "device_class": profile.device_class,
+        "samples": dict(profile.samples),
     }
 
 

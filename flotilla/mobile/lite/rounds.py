@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from flotilla.core.blobs import sha256_hex
+from flotilla.core.device import MAX_SAMPLES
 from flotilla.core.errors import FlotillaError, SpecError, WireError
 from flotilla.core.round_config import RoundConfig
 from flotilla.core.spec import TrainSection
@@ -162,6 +163,11 @@ class LiteTrainer:
     def tasks(self) -> tuple[str, ...]:
         """The tasks this device trains."""
         return self.training.tasks
+
+    @property
+    def samples(self) -> dict[str, int]:
+        """Training samples it holds per task: every task trains on the one data file."""
+        return {task: min(len(self.data.y_train), MAX_SAMPLES) for task in self.tasks}
 
     def unsupported(self, order: WorkOrder) -> str | None:
         """Why this device cannot do ``order``'s round exactly as a torch agent would."""

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 
-from flotilla.core.device import DeviceProfile
+from flotilla.core.device import DeviceProfile, sample_counts
 from flotilla.core.eligibility import EligibilitySection, ineligibility
 from flotilla.core.errors import AuthError, ForbiddenError, WireError
 from flotilla.core.events import DeviceChanged, EventSink, Fanout
@@ -38,12 +38,15 @@ def stored_profile(record: DeviceRecord) -> DeviceProfile:
         memory_bytes=int(numbers.get("memory_bytes", 0)),
         upload_bytes_per_s=float(numbers.get("upload_bytes_per_s", 0.0)),
         device_class=record.device_class,
+        samples=dict(record.samples),
     )
 
 
-def _check_class(profile: DeviceProfile) -> None:
+def _check(profile: DeviceProfile) -> None:
+    """The rules a profile from any edge must meet before anything of it is stored."""
     if len(profile.device_class) > MAX_DEVICE_CLASS:
         raise WireError(f"device class is longer than {MAX_DEVICE_CLASS} characters")
+    sample_counts(profile.samples)
 
 
 class Devices:
@@ -93,7 +96,7 @@ class Devices:
         token_hash = auth.hash_secret(token) if token else ""
         if not token or (state := await self._store.enrol_token_state(token_hash, now)) != "active":
             raise AuthError(token_refusal("unknown" if not token else state))
-        _check_class(profile)
+        _check(profile)
         device_id = device_id or "dev-" + uuid.uuid4().hex[:12]
         secret = auth.new_secret()
         record = DeviceRecord(
@@ -105,6 +108,7 @@ class Devices:
             last_seen_at=now,
             device_class=profile.device_class,
             public_key=public_key,
+            samples=dict(profile.samples),
         )
         await self._store.add_device(record, token_hash, now)
         self._known[device_id] = record
@@ -159,12 +163,13 @@ class Devices:
     async def seen(self, device: DeviceRecord, profile: DeviceProfile | None) -> None:
         """A device is alive (and idle by its own account); a new profile replaces the old."""
         if profile is not None:
-            _check_class(profile)
+            _check(profile)
             await self._store.update_device(
                 device.id,
                 profile=profile.numbers(),
                 tasks=tuple(profile.tasks),
                 device_class=profile.device_class,
+                samples=profile.samples,
             )
             device = self._known[device.id] = await self._store.get_device(device.id) or device
             if self._listing is not None:
@@ -229,6 +234,7 @@ class Devices:
                     device_class=record.device_class,
                     conditions=view.conditions if view else None,
                     ineligible=excluded,
+                    samples=dict(record.samples),
                 )
             )
         return out

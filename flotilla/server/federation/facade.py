@@ -454,6 +454,11 @@ class Federation:
             return await self._devices.infos(task, policy, running)
         return await self._devices.infos(task, None, running)
 
+    def device_profile(self, device_id: str) -> DeviceProfile | None:
+        """The profile selectors see for a device (the pool's, as it last reported it);
+        None for a device not seen since this server started."""
+        return self._pool.profile(device_id)
+
     def volunteer_runs(self) -> Sequence[VolunteerRunInfo]:
         return self._hosted.volunteers.infos()
 

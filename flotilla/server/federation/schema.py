@@ -55,6 +55,9 @@ class DeviceRow(Base):
     #: Hex Ed25519 public key registered at enrolment; "" for devices enrolled before keys.
     public_key: Mapped[str] = mapped_column(String(128), default="", server_default="")
     revoked_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    #: Task -> training samples the device holds (``DeviceProfile.samples``); NULL for
+    #: devices that never reported any, read as none.
+    samples_json: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
 
 
 class EnrolTokenRow(Base):

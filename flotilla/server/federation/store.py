@@ -150,6 +150,11 @@ def _floats(value: Mapping[str, float]) -> dict[str, float]:
     return {str(k): float(v) for k, v in value.items()}
 
 
+def _counts(value: Mapping[str, int]) -> dict[str, int]:
+    """A fresh ``{str: int}`` for a JSON column."""
+    return {str(k): int(v) for k, v in value.items()}
+
+
 def token_state(row: EnrolTokenRow | None, now: float) -> str:
     """``active``, ``revoked``, ``expired``, ``used up`` or ``unknown`` (no such token)."""
     if row is None:
@@ -182,6 +187,7 @@ def _device_record(row: DeviceRow) -> DeviceRecord:
         device_class=row.device_class or "",
         public_key=row.public_key or "",
         revoked_at=row.revoked_at,
+        samples={str(k): int(v) for k, v in (row.samples_json or {}).items()},
     )
 
 
@@ -472,6 +478,7 @@ class Store:
             device_class=device.device_class,
             public_key=device.public_key,
             revoked_at=device.revoked_at,
+            samples_json=_counts(device.samples),
         )
         try:
             async with self._writing() as s:
@@ -508,8 +515,10 @@ class Store:
         last_seen_at: float | None = None,
         tasks: Iterable[str] | None = None,
         device_class: str | None = None,
+        samples: Mapping[str, int] | None = None,
     ) -> DeviceRecord:
-        """Replace whichever fields are given; ``profile`` replaces the whole dict."""
+        """Replace whichever fields are given; ``profile`` and ``samples`` replace the whole
+        dict."""
         async with self._writing() as s:
             row = await s.get(DeviceRow, device_id, with_for_update=True)
             if row is None:
@@ -522,6 +531,8 @@ class Store:
                 row.tasks_json = list(tasks)
             if device_class is not None:
                 row.device_class = device_class
+            if samples is not None:
+                row.samples_json = _counts(samples)
             return _device_record(row)
 
     async def revoke_device(self, device_id: str, at: float) -> DeviceRecord:

@@ -39,6 +39,8 @@ class DeviceInfo:
     conditions: DeviceConditions | None = None
     #: Running job id -> why that job may not select it now (jobs that may are absent).
     ineligible: Mapping[str, str] = field(default_factory=dict)
+    #: Task -> training samples it holds, as it last reported (tasks it did not count absent).
+    samples: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

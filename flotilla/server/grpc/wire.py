@@ -64,6 +64,7 @@ def profile_from_pb(msg: pb.DeviceProfile, device_id: str = "") -> DeviceProfile
         memory_bytes=msg.memory_bytes,
         upload_bytes_per_s=msg.upload_bytes_per_s,
         device_class=msg.device_class,
+        samples=dict(msg.samples),  # checked by the core (core.device.sample_counts)
     )
 
 
@@ -211,6 +212,7 @@ def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
         device_class=info.device_class,
         conditions=None if info.conditions is None else conditions_to_pb(info.conditions),
         ineligible=dict(info.ineligible),
+        samples=dict(info.samples),
     )
 
 

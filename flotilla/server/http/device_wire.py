@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flotilla.core.conditions import DeviceConditions
-from flotilla.core.device import DeviceProfile
+from flotilla.core.device import MAX_TASK_NAME, DeviceProfile, sample_counts
 from flotilla.core.errors import WireError
 from flotilla.core.identity import NONCE_BYTES, SIGNATURE_BYTES
 from flotilla.core.work import RoundRef, UploadHeader, WorkOrder
@@ -133,7 +133,7 @@ def profile(data: object, where: str) -> DeviceProfile:
     if not (
         isinstance(tasks, list)
         and 0 < len(tasks) <= MAX_TASKS
-        and all(isinstance(t, str) and 0 < len(t) <= MAX_TEXT for t in tasks)
+        and all(isinstance(t, str) and 0 < len(t) <= MAX_TASK_NAME for t in tasks)
     ):
         raise WireError(f"{where}: 'tasks' must be 1 to {MAX_TASKS} task entry-point names")
     made = DeviceProfile(
@@ -143,9 +143,15 @@ def profile(data: object, where: str) -> DeviceProfile:
         memory_bytes=f.integer("memory_bytes", required=False),
         upload_bytes_per_s=f.number("upload_bytes_per_s", required=False),
         device_class=f.text("device_class", required=False),
+        samples=_samples(f.obj("samples"), where),
     )
     f.done()
     return made
+
+
+def _samples(value: object, where: str) -> dict[str, int]:
+    """``samples``: task -> training samples held; absent or null: none counted."""
+    return {} if value is None else sample_counts(value, where)
 
 
 def enrol_request(data: object) -> tuple[str, DeviceProfile, str]:

@@ -104,6 +104,12 @@ SCHEMAS: dict[str, Any] = {
             "rounds_served": INTEGER,
             "failures": {"type": "object", "additionalProperties": INTEGER},
             "ineligible_reason": STRING,
+            "samples": {
+                "type": "object",
+                "additionalProperties": INTEGER,
+                "description": "Task -> training samples the device holds, as it last "
+                "reported; a task it has not counted is absent.",
+            },
         }
     ),
     "Devices": _obj({"devices": {"type": "array", "items": _ref("Device")}}),

@@ -101,6 +101,7 @@ def device_status(info: DeviceInfo, failures: Mapping[str, int]) -> DeviceStatus
         rounds_served=sum(info.delivered.values()),
         failures=dict(failures),
         ineligible_reason=info.reason if info.state == "ineligible" else "",
+        samples=dict(info.samples),
     )
 
 

@@ -9,7 +9,8 @@
   a device says it is (``phone``, ``sbc``...), which jobs may select by; ``0006_security``
   adds device keys and revocation, enrolment-token limits and the table of refused updates;
   ``0007_leadership`` a leader lease for the whole deployment, which ``0008_job_leases``
-  replaces with one lease per job and a table of the live server processes.
+  replaces with one lease per job and a table of the live server processes;
+  ``0009_device_samples`` keeps the training samples each device holds per task.
 
 A database made before migrations existed (tables, but no ``alembic_version``) is adopted:
 the columns those releases added in place are added if missing, the baseline is stamped,
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 #: The revision a database made before migrations is stamped with.
 BASELINE = "0001"
-HEAD = "0008_job_leases"
+HEAD = "0009_device_samples"
 #: Columns earlier releases added to existing tables in place (constant default, NOT NULL).
 LEGACY_COLUMNS = (("jobs", "aggregator_sha256"), ("jobs", "scheduler_sha256"))
 #: PostgreSQL advisory lock key ("flotilla" in ASCII): servers starting together migrate
