@@ -34,6 +34,7 @@ from flotilla.scheduling.duration import DurationModel
 from flotilla.scheduling.history import RoundOutcome
 from flotilla.scheduling.selector import Stateless
 
+
 @dataclass(frozen=True, slots=True)
 class DataGreedyParams:
     """``greedy+``: the knobs a tuner may turn (docs/scheduling.md)."""
@@ -181,7 +182,9 @@ class _PaceSets:
     def members(self, index: int) -> np.ndarray:
         """The devices (candidate positions) of proposed set ``index``."""
         chosen = set(self._by_time[: self._k].tolist())  # until the set is full, all join
-        for joined, left in zip(self._joined[1 : index + 1], self._left[1 : index + 1]):
+        for joined, left in zip(
+            self._joined[1 : index + 1], self._left[1 : index + 1], strict=True
+        ):
             chosen.discard(int(left))
             chosen.add(int(joined))
         return np.array(sorted(chosen), dtype=np.int64)

@@ -63,7 +63,9 @@ class DurationModel:
         records = self.history.job(job_id)
         gflops = np.array([max(c.gflops, 0.0) for c in candidates], dtype=np.float64)
         upload = np.array([max(c.upload_bytes_per_s, 0.0) for c in candidates], dtype=np.float64)
-        prior = np.log(self._prior_seconds(job_id, gflops, upload, self.samples(job_id, candidates)))
+        prior = np.log(
+            self._prior_seconds(job_id, gflops, upload, self.samples(job_id, candidates))
+        )
         n = np.zeros(len(candidates))
         own_mean = np.zeros(len(candidates))
         own_var = np.full(len(candidates), MIN_LOG_STD**2)
