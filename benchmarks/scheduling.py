@@ -127,10 +127,11 @@ GOALS: Mapping[str, Goal] = {
     "*": Goal("accuracy", 0.80, 0.90, 1200.0),
     "charlm": Goal("bits_per_char", 4.25, 4.15, 300.0, higher_is_better=False, ref=CHARLM_REF_BITS),
 }
-#: Short jobs (15 rounds, 400 devices) reach less.
+#: Short jobs (15 rounds, 400 devices): the digits jobs end near 0.81-0.96, the char LM
+#: (larger shards on fewer devices) near 4.1 bits (3 seeds of S1 and S3, random and greedy).
 QUICK_GOALS: Mapping[str, Goal] = {
-    "*": Goal("accuracy", 0.70, 0.85, 600.0),
-    "charlm": Goal("bits_per_char", 4.6, 4.4, 150.0, higher_is_better=False, ref=CHARLM_REF_BITS),
+    "*": Goal("accuracy", 0.70, 0.80, 600.0),
+    "charlm": Goal("bits_per_char", 4.5, 4.2, 150.0, higher_is_better=False, ref=CHARLM_REF_BITS),
 }
 
 

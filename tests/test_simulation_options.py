@@ -92,3 +92,16 @@ def test_slowdowns_profile_noise_and_throttling() -> None:
     assert slow.compute_factor(i, onset) == pytest.approx(3.0 * slow.factor[i])
     with pytest.raises(SpecError):
         PopulationSection(throttle_factor=0.5)
+
+
+@pytest.mark.parametrize(
+    "scenario", ["unrelated", "related", "sizes", "noisy", "arrivals", "diurnal"]
+)
+def test_the_scheduling_scenarios_load(scenario: str) -> None:
+    root = Path(__file__).resolve().parents[1]
+    experiment = load_experiment(root / "examples" / "scheduling" / f"{scenario}.toml")
+    assert experiment.jobs
+    if scenario == "arrivals":
+        assert len(experiment.jobs) == 8 and experiment.population.clients == 300
+        starts = [experiment.start_s(i) for i in range(8)]
+        assert starts == sorted(starts) and starts[0] == 0.0 and starts[-1] <= 7200.0
