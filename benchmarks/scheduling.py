@@ -684,6 +684,8 @@ class Report:
     mode: str
     plan: Plan
     runs: list[dict[str, Any]] = field(default_factory=list)
+    #: Runs that raised: not in ``runs``, not in the ``--resume`` file.
+    failed: int = 0
     load: list[float] = field(default_factory=lambda: [os.getloadavg()[0]])
 
     def to_json(self) -> dict[str, Any]:
@@ -708,6 +710,7 @@ class Report:
             },
             "table": table,
             "runs": self.runs,
+            "failed_runs": self.failed,
             "floors": floors(table, self.plan),
         }
 
@@ -813,7 +816,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pool.submit(run_one, sc, sel, seed, plan, workdir) for sc, sel, seed in pending
             ]
             for future in as_completed(running):
-                run = future.result()
+                try:
+                    run = future.result()
+                except Exception as exc:  # one broken run must not throw away the others
+                    log.error("a run failed (left out; --resume retries it): %s", exc)
+                    report.failed += 1
+                    continue
                 report.runs.append(run)
                 if sink is not None:
                     sink.write(json.dumps(run) + "\n")
