@@ -26,6 +26,9 @@ from flotilla.core.spec import JobSpec, apply_override, parse_toml, read_toml
 
 #: Top-level tables of an experiment file that describe the simulated fleet, not a job.
 SIMULATOR_TABLES = ("population", "simulation")
+#: Keys of a ``[[jobs]]`` entry that only the simulator reads (a job's start on the
+#: virtual clock); a real submission passes over them.
+SIMULATOR_JOB_KEYS = ("start_s",)
 
 
 def load_job_specs(path: str | Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, ...]:
@@ -64,13 +67,17 @@ def job_specs_from_dict(raw: Mapping[str, Any], source: str) -> tuple[JobSpec, .
         specs = [JobSpec.from_dict(data, source)]
     else:
         specs = [
-            JobSpec.from_dict(_merged(data, v), f"{source} [[jobs]] #{i + 1}")
+            JobSpec.from_dict(_merged(data, _job_keys(v)), f"{source} [[jobs]] #{i + 1}")
             for i, v in enumerate(variants)
         ]
     names = [s.job.name for s in specs]
     if len(set(names)) != len(names):
         raise SpecError(f"{source}: job names must differ, got {names}")
     return tuple(specs)
+
+
+def _job_keys(entry: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in entry.items() if key not in SIMULATOR_JOB_KEYS}
 
 
 def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from flotilla.engine.ports import Blobs
 from flotilla.scheduling import DeviceEvents
 from flotilla.simulation.client_state import ClientStateStore
 from flotilla.simulation.fleet import Fleet
-from flotilla.simulation.population import PopulationSection
+from flotilla.simulation.population import PopulationSection, Slowdowns, VirtualDevice
 from flotilla.simulation.training import ClientTrainer
 
 
@@ -148,6 +148,9 @@ class SimBackend:
         self.trainers = trainers
         self.population = population
         self._rng = np.random.default_rng([seed % 2**32, 2])
+        self._slow = Slowdowns.draw(population, seed)
+        self._slow_active = self._slow.active
+        self._noise_rng = np.random.default_rng([seed % 2**32, 6])
         self._seed = seed
         self._jobs: dict[str, _JobContext] = {}
         self._model: tuple[str, ModelState] | None = None
@@ -170,8 +173,11 @@ class SimBackend:
             device = self.fleet.devices[device_id]
             samples = shards.get(config.data, device.index).num_train
             down = self._download_bytes(device_id, task)
-            guess = device.round_seconds(
-                samples, config.train.local_epochs, pop.seconds_per_sample, down, down
+            jitter = 1.0
+            if self._slow.round_sigma > 0:
+                jitter = math.exp(self._slow.round_sigma * self._noise_rng.standard_normal())
+            guess, _ = self._seconds(
+                device, samples, config.train.local_epochs, down, down, now, jitter
             )
             drop_at = math.inf
             if self._rng.random() < pop.dropout:
@@ -183,24 +189,20 @@ class SimBackend:
                     drop_at + pop.dropout_detect_s, self._fail, open_round, device_id, "dropped out"
                 )
             else:
-                survivors.append((device_id, device, down))
+                survivors.append((device_id, device, down, jitter))
         if survivors:
             model = self._global(task, config)
             results = trainer.train(
                 model,
-                [device.index for _, device, _ in survivors],
+                [device.index for _, device, _, _ in survivors],
                 config.train,
                 config.data,
                 task.order.seed,
             )
-            for (device_id, device, down), result in zip(survivors, results, strict=True):
+            for (device_id, device, down, jitter), result in zip(survivors, results, strict=True):
                 delta, up = job.pipeline(device.index, result.delta)
-                seconds = device.round_seconds(
-                    result.num_samples, config.train.local_epochs, pop.seconds_per_sample,
-                    down, up,
-                )  # fmt: skip
-                compute = device.compute_seconds(
-                    result.num_samples, config.train.local_epochs, pop.seconds_per_sample
+                seconds, compute = self._seconds(
+                    device, result.num_samples, config.train.local_epochs, down, up, now, jitter
                 )
                 metrics = {
                     **result.metrics,
@@ -218,6 +220,26 @@ class SimBackend:
                 )
                 loop.call_at(now + seconds, self._arrive, open_round, update, seconds)
         return _Stream(self, open_round)
+
+    def _seconds(
+        self,
+        device: VirtualDevice,
+        samples: int,
+        epochs: int,
+        down: int,
+        up: int,
+        now: float,
+        jitter: float,
+    ) -> tuple[float, float]:
+        """The round's time on ``device`` and its compute part; with the population's
+        slowdowns (profile noise, throttling, round noise) when any is on."""
+        spp = self.population.seconds_per_sample
+        total = device.round_seconds(samples, epochs, spp, down, up)
+        compute = device.compute_seconds(samples, epochs, spp)
+        if self._slow_active:  # off: exactly the noiseless times, bit for bit
+            extra = compute * (self._slow.compute_factor(device.index, now) - 1.0)
+            total, compute = (total + extra) * jitter, (compute + extra) * jitter
+        return total, compute
 
     def _job(self, task: TrainTask) -> _JobContext:
         job = self._jobs.get(task.order.job_id)

@@ -6,6 +6,7 @@
 [simulation]     # seed, time limit, trainer choice
 [[jobs]]         # optional: each entry overrides the spec above for one more job
 job = { name = "a", seed = 1 }
+start_s = 600.0  # optional: the job starts this many simulated seconds in (default 0)
 ```
 
 Without ``[[jobs]]`` the experiment runs the one job its spec describes. Every field is
@@ -53,6 +54,13 @@ class Experiment:
     jobs: tuple[JobSpec, ...]
     population: PopulationSection = field(default_factory=PopulationSection)
     simulation: SimulationSection = field(default_factory=SimulationSection)
+    #: Per job (as ``jobs``): when it starts on the virtual clock, from a ``[[jobs]]``
+    #: entry's ``start_s``, so arrivals over time can be studied; empty: all at 0.
+    starts: tuple[float, ...] = ()
+
+    def start_s(self, index: int) -> float:
+        """When job ``index`` starts, in simulated seconds."""
+        return self.starts[index] if index < len(self.starts) else 0.0
 
     @property
     def seed(self) -> int:
@@ -95,4 +103,16 @@ def experiment_from_dict(raw: Mapping[str, Any], source: str) -> Experiment:
                 f"{source}: job {spec.job.name!r}: simulation runs aggregation.transport = "
                 '"server" only (a p2p round averages the same weighted mean on the devices)'
             )
-    return Experiment(jobs, population, simulation)
+    return Experiment(jobs, population, simulation, _starts(raw, source))
+
+
+def _starts(raw: Mapping[str, Any], source: str) -> tuple[float, ...]:
+    """Each ``[[jobs]]`` entry's ``start_s`` (0 when absent)."""
+    entries = raw.get("jobs", [])
+    starts = []
+    for i, entry in enumerate(entries if isinstance(entries, list) else []):
+        value = entry.get("start_s", 0.0) if isinstance(entry, Mapping) else 0.0
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise SpecError(f"{source} [[jobs]] #{i + 1}: start_s must be a number >= 0")
+        starts.append(float(value))
+    return tuple(starts) if any(starts) else ()

@@ -74,6 +74,16 @@ class PopulationSection:
     speed_order: str = "random"
     classes: tuple[DeviceClass, ...] = (DeviceClass(),)
     availability: AvailabilitySection = field(default_factory=AvailabilitySection)
+    #: A device's true compute time is its profile's times lognormal(0, sigma): the
+    #: scheduler sees the profile, rounds take the truth (enrolment benchmarks are noisy).
+    profile_noise_sigma: float = 0.0
+    #: Each round's time on each device is multiplied by lognormal(0, sigma).
+    round_noise_sigma: float = 0.0
+    #: Share of devices that throttle: from a time drawn per device (exponential, mean
+    #: ``throttle_after_s``) on, they compute ``throttle_factor`` times slower.
+    throttle_share: float = 0.0
+    throttle_factor: float = 3.0
+    throttle_after_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if self.clients < 1:
@@ -84,7 +94,15 @@ class PopulationSection:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise SpecError(f"population.dropout must be in [0, 1), got {self.dropout}")
-        for name in ("seconds_per_sample", "dropout_detect_s"):
+        if not 0.0 <= self.throttle_share <= 1.0 or not self.throttle_factor >= 1.0:
+            raise SpecError("population.throttle_share must be in [0, 1], throttle_factor >= 1")
+        for name in (
+            "seconds_per_sample",
+            "dropout_detect_s",
+            "profile_noise_sigma",
+            "round_noise_sigma",
+            "throttle_after_s",
+        ):
             value = getattr(self, name)
             if not value >= 0 or not math.isfinite(value):
                 raise SpecError(f"population.{name} must be >= 0, got {value}")
@@ -128,6 +146,53 @@ class VirtualDevice:
         compute = self.compute_seconds(samples, epochs, seconds_per_sample)
         transfer = down / self.download_bytes_per_s + up / self.upload_bytes_per_s
         return compute + transfer + 2 * self.latency_s
+
+
+@dataclass(frozen=True, slots=True)
+class Slowdowns:
+    """How much slower than its profile each device computes (``profile_noise_sigma``,
+    ``throttle_*``) and how noisy its rounds are (``round_noise_sigma``), drawn from
+    streams of their own: with every option off, nothing is drawn and runs are unchanged."""
+
+    #: Per device (by index): true compute time / the profile's.
+    factor: tuple[float, ...]
+    #: Per device: when it starts to throttle (inf: never).
+    throttle_at: tuple[float, ...]
+    throttle_factor: float = 1.0
+    round_sigma: float = 0.0
+
+    @classmethod
+    def draw(cls, spec: PopulationSection, seed: int) -> Slowdowns:
+        n = spec.clients
+        factor = np.ones(n)
+        if spec.profile_noise_sigma > 0:
+            rng = np.random.default_rng([seed % 2**32, 4])
+            factor = np.exp(spec.profile_noise_sigma * rng.standard_normal(n))
+        throttle_at = np.full(n, math.inf)
+        if spec.throttle_share > 0:
+            rng = np.random.default_rng([seed % 2**32, 5])
+            chosen = rng.random(n) < spec.throttle_share
+            onset = rng.exponential(spec.throttle_after_s, n)
+            throttle_at[chosen] = onset[chosen]
+        return cls(
+            tuple(factor.tolist()),
+            tuple(throttle_at.tolist()),
+            spec.throttle_factor,
+            spec.round_noise_sigma,
+        )
+
+    @property
+    def active(self) -> bool:
+        return (
+            self.round_sigma > 0
+            or any(f != 1.0 for f in self.factor)
+            or any(math.isfinite(t) for t in self.throttle_at)
+        )
+
+    def compute_factor(self, index: int, now: float) -> float:
+        """True compute time over the profile's for device ``index`` at time ``now``."""
+        throttled = now >= self.throttle_at[index]
+        return self.factor[index] * (self.throttle_factor if throttled else 1.0)
 
 
 #: Columns of a trace CSV; ``class`` is optional.

@@ -282,7 +282,9 @@ async def _simulate(
         gc.freeze()
         try:
             await asyncio.wait_for(
-                asyncio.gather(*(_run_job(r, ledger) for r in runners)),
+                asyncio.gather(
+                    *(_run_job(r, ledger, experiment.start_s(i)) for i, r in enumerate(runners))
+                ),
                 timeout=experiment.simulation.max_simulated_s,
             )
         except asyncio.TimeoutError:
@@ -355,8 +357,11 @@ def _write_jobs(path: Path, jobs: Sequence[tuple[JobRecord, JobSpec]]) -> None:
     tmp.replace(path)
 
 
-async def _run_job(runner: JobRunner, ledger: SimLedger) -> None:
-    """One job to its end; a job that fails is recorded as failed, the others go on."""
+async def _run_job(runner: JobRunner, ledger: SimLedger, start_s: float = 0.0) -> None:
+    """One job to its end, from ``start_s`` on the virtual clock; a job that fails is
+    recorded as failed, the others go on."""
+    if start_s > 0:
+        await asyncio.sleep(start_s)
     try:
         await runner.run()
     except FlotillaError as exc:

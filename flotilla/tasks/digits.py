@@ -353,8 +353,20 @@ class DigitsTask:
         with torch.no_grad():
             logits = model(x)
             loss = nn.functional.cross_entropy(logits, y) if len(y) else torch.tensor(0.0)
-            acc = (logits.argmax(dim=1) == y).float().mean() if len(y) else torch.tensor(0.0)
-        return {"accuracy": float(acc), "loss": float(loss), "num_samples": float(len(y))}
+            hits = (logits.argmax(dim=1) == y).float()
+            acc = hits.mean() if len(y) else torch.tensor(0.0)
+            # Per-class accuracy over the classes present: a selector that never picks the
+            # devices holding some label can keep mean accuracy high and this one low.
+            counts = torch.bincount(y, minlength=NUM_CLASSES)
+            per_class = torch.bincount(y, weights=hits, minlength=NUM_CLASSES)
+            present = counts > 0
+            worst = (per_class[present] / counts[present]).min() if len(y) else acc
+        return {
+            "accuracy": float(acc),
+            "loss": float(loss),
+            "num_samples": float(len(y)),
+            "worst_class_accuracy": float(worst),
+        }
 
 
 def _tensors(x: np.ndarray, y: np.ndarray, positions: np.ndarray) -> Examples:

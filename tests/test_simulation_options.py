@@ -1,0 +1,107 @@
+"""Simulator options for scheduling studies: per-job start times, noisy and throttling
+devices (``[population]``), and the digits task's worst-class accuracy in a run's rows."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from flotilla.core.errors import SpecError
+from flotilla.core.jobfile import load_job_specs
+from flotilla.simulation import PopulationSection, load_experiment, run_experiment
+from flotilla.simulation.population import Slowdowns
+from tests.support.experiments import experiment_file, rows
+
+pytestmark = pytest.mark.timeout(300)
+
+TWO_JOBS = """
+[[jobs]]
+job = { name = "early", seed = 1 }
+
+[[jobs]]
+job = { name = "late", seed = 2 }
+start_s = 500.0
+"""
+
+
+def without_wall(items: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("wall")} for r in items]
+
+
+def test_a_job_with_start_s_starts_no_earlier_on_the_virtual_clock(tmp_path: Path) -> None:
+    path = experiment_file(tmp_path, TWO_JOBS)
+    experiment = load_experiment(path, ["job.rounds=2"])
+    assert experiment.starts == (0.0, 500.0)
+    run_experiment(experiment, tmp_path / "out", progress=False)
+    metrics = rows(tmp_path / "out")
+    parts = rows(tmp_path / "out", "participation.jsonl")
+    late = [p["started_at"] for p in parts if p["job"] == "late"]
+    early = [p["started_at"] for p in parts if p["job"] == "early"]
+    assert late and min(late) >= 500.0
+    assert min(early) < 500.0, "the other job starts at once"
+    assert all(r["simulated_time"] > 500.0 for r in metrics if r["job"] == "late")
+    # The digits task's worst-class accuracy reaches the run's rows.
+    assert all(0.0 <= r["worst_class_accuracy"] <= r["accuracy"] for r in metrics)
+    # A real submission of the same file passes over the simulator's key.
+    assert [s.job.name for s in load_job_specs(path)] == ["early", "late"]
+
+
+def test_start_s_must_be_a_number_at_least_zero(tmp_path: Path) -> None:
+    body = TWO_JOBS.replace("start_s = 500.0", "start_s = -1.0")
+    with pytest.raises(SpecError, match="start_s"):
+        load_experiment(experiment_file(tmp_path, body))
+
+
+def test_noise_options_are_off_by_default_and_off_changes_nothing(tmp_path: Path) -> None:
+    assert not Slowdowns.draw(PopulationSection(clients=50), 3).active
+    off = [
+        "population.profile_noise_sigma=0.0",
+        "population.round_noise_sigma=0.0",
+        "population.throttle_share=0.0",
+    ]
+    path = experiment_file(tmp_path)
+    run_experiment(load_experiment(path, ["job.rounds=2"]), tmp_path / "a", progress=False)
+    run_experiment(load_experiment(path, ["job.rounds=2", *off]), tmp_path / "b", progress=False)
+    assert without_wall(rows(tmp_path / "a")) == without_wall(rows(tmp_path / "b"))
+    noisy = ["job.rounds=2", "population.round_noise_sigma=0.5"]
+    run_experiment(load_experiment(path, noisy), tmp_path / "c", progress=False)
+    times = [r["simulated_time"] for r in rows(tmp_path / "a")]
+    assert times != [r["simulated_time"] for r in rows(tmp_path / "c")]
+
+
+def test_slowdowns_profile_noise_and_throttling() -> None:
+    spec = PopulationSection(
+        clients=2000,
+        profile_noise_sigma=0.5,
+        throttle_share=0.25,
+        throttle_factor=3.0,
+        throttle_after_s=100.0,
+    )
+    slow = Slowdowns.draw(spec, 7)
+    assert slow.active
+    logs = [math.log(f) for f in slow.factor]
+    assert abs(sum(logs) / len(logs)) < 0.05
+    assert 0.4 < (sum(x * x for x in logs) / len(logs)) ** 0.5 < 0.6
+    throttling = [i for i, t in enumerate(slow.throttle_at) if math.isfinite(t)]
+    assert 0.2 < len(throttling) / 2000 < 0.3
+    i = throttling[0]
+    onset = slow.throttle_at[i]
+    assert slow.compute_factor(i, onset - 1e-6) == pytest.approx(slow.factor[i])
+    assert slow.compute_factor(i, onset) == pytest.approx(3.0 * slow.factor[i])
+    with pytest.raises(SpecError):
+        PopulationSection(throttle_factor=0.5)
+
+
+@pytest.mark.parametrize(
+    "scenario", ["unrelated", "related", "sizes", "noisy", "arrivals", "diurnal"]
+)
+def test_the_scheduling_scenarios_load(scenario: str) -> None:
+    root = Path(__file__).resolve().parents[1]
+    experiment = load_experiment(root / "examples" / "scheduling" / f"{scenario}.toml")
+    assert experiment.jobs
+    if scenario == "arrivals":
+        assert len(experiment.jobs) == 8 and experiment.population.clients == 300
+        starts = [experiment.start_s(i) for i in range(8)]
+        assert starts == sorted(starts) and starts[0] == 0.0 and starts[-1] <= 7200.0
