@@ -90,7 +90,6 @@ class DataGreedySelector(Stateless):
         seconds = model.predict(job_id, candidates).seconds(params.confidence_z)
         counts = model.history.selection_counts(job_id, (c.device_id for c in candidates))
         value = utility(model, job_id, candidates, params.loss_weight)
-        weight = samples_or_typical(model, job_id, candidates)
         # Least picked first (greedy's fairness), then the most useful, then the fastest.
         rank = np.empty(n, dtype=np.int64)
         rank[np.lexsort((seconds, -value, counts))] = np.arange(n)
@@ -100,9 +99,7 @@ class DataGreedySelector(Stateless):
         fairness = self._cost.beta * sets.total(2.0 * counts + 1.0) / n
         time_cost = self._cost.alpha * sets.paces
         base = int(np.argmin(time_cost + fairness))
-        # Each set's utility: the mean of its devices' utility, weighted as aggregation
-        # weighs their updates (by samples).
-        data = np.maximum(sets.total(weight * value) / sets.total(weight), 1e-12)
+        data = np.maximum(sets.total(value), 1e-12)
         per_progress = time_cost * (data[base] / data) ** params.data_rate
         best = int(np.argmin(per_progress + fairness))
         return PaceChoice(sets.members(best), float(sets.paces[best]), float(sets.paces[base]))
@@ -123,20 +120,26 @@ def samples_or_typical(
 def utility(
     model: DurationModel, job_id: str, candidates: Sequence[DeviceProfile], loss_weight: float
 ) -> np.ndarray:
-    """Per candidate: its samples times its last loss relative to the candidates' mean, to
-    ``loss_weight`` (a device not yet heard from counts as the mean)."""
+    """Per candidate: its samples times its last loss, to ``loss_weight``. A loss is taken
+    relative to the mean loss of the round it was reported in (early rounds report high
+    losses from every device: that says when, not who), and a device not yet heard from
+    counts as that mean."""
     samples = samples_or_typical(model, job_id, candidates)
     if loss_weight == 0:
         return samples
     records = model.history.job(job_id)
-    losses = np.full(len(candidates), np.nan)
+    by_round: dict[int, list[float]] = {}
+    for past in records.values():
+        if past.last_loss is not None and past.last_loss >= 0:
+            by_round.setdefault(past.last_round, []).append(past.last_loss)
+    means = {r: float(np.mean(v)) for r, v in by_round.items()}
+    ratio = np.ones(len(candidates))
     for i, c in enumerate(candidates):
         rec = records.get(c.device_id)
-        if rec is not None and rec.last_loss is not None and rec.last_loss >= 0:
-            losses[i] = rec.last_loss
-    seen = ~np.isnan(losses)
-    mean = float(losses[seen].mean()) if seen.any() else 0.0
-    ratio = np.where(seen, losses / mean, 1.0) if mean > 0 else np.ones(len(candidates))
+        if rec is None or rec.last_loss is None or rec.last_loss < 0:
+            continue
+        mean = means[rec.last_round]
+        ratio[i] = rec.last_loss / mean if mean > 0 else 1.0
     return np.asarray(samples * np.clip(ratio, 0.25, 4.0) ** loss_weight)
 
 
