@@ -252,7 +252,8 @@ def test_selector_names_and_params_are_checked_in_the_spec() -> None:
 
     validate_spec(spec)
     with pytest.raises(
-        SpecError, match=r"'nope' is not one of random, fedcs, greedy, greedy\+, oort, rl, bayesian"
+        SpecError,
+        match=r"'nope' is not one of random, fedcs, greedy, greedy\+, tuned, oort, rl, bayes",
     ):
         validate_spec(JobSpec.from_dict({"scheduling": {"selector": "nope"}}))
     with pytest.raises(SpecError, match=r"scheduling\.params\.explore"):

@@ -22,7 +22,7 @@ from flotilla.scheduling.heuristics import (
     OortParams,
     OortSelector,
 )
-from flotilla.scheduling.history import DeviceHistory, FleetHistory, RoundOutcome
+from flotilla.scheduling.history import DeviceHistory, FleetHistory, KnobTrial, RoundOutcome
 from flotilla.scheduling.leases import DeviceEvents, Lease, Leases
 from flotilla.scheduling.pool import DevicePool, DeviceState, DeviceView
 from flotilla.scheduling.registry import SELECTOR_NAMES, make_selector, selector_params
@@ -45,6 +45,7 @@ __all__ = [
     "Grant",
     "GreedyParams",
     "GreedySelector",
+    "KnobTrial",
     "Lease",
     "Leases",
     "OortParams",

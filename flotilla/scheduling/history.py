@@ -71,12 +71,35 @@ class DeviceHistory:
             self.transfer_s += (seconds - compute_s - self.transfer_s) / n
 
 
+@dataclass(frozen=True, slots=True)
+class KnobTrial:
+    """One round of a job run with some knobs, and how much faster than usual it learned:
+    the evidence a tuner pools across jobs (:mod:`flotilla.scheduling.tuned`)."""
+
+    round: int
+    #: The knob values the round's devices were chosen with.
+    knobs: tuple[float, ...]
+    #: What the job looked like then (:func:`flotilla.scheduling.tuned.job_context`).
+    context: tuple[float, ...]
+    #: Progress per second relative to the job's recent progress (0: as usual).
+    reward: float
+
+
 @dataclass(slots=True)
 class FleetHistory:
-    """``(job, device) -> DeviceHistory``, plus each job's rounds so far."""
+    """``(job, device) -> DeviceHistory``, plus each job's rounds so far and the knob
+    trials tuners made on it."""
 
     records: dict[str, dict[str, DeviceHistory]] = field(default_factory=dict)
     rounds: dict[str, int] = field(default_factory=dict)
+    trials: dict[str, list[KnobTrial]] = field(default_factory=dict)
+
+    def add_trial(self, job_id: str, trial: KnobTrial) -> None:
+        self.trials.setdefault(job_id, []).append(trial)
+
+    def all_trials(self) -> list[KnobTrial]:
+        """Every job's trials: what one job learned serves the next."""
+        return [t for trials in self.trials.values() for t in trials]
 
     def record(self, outcome: RoundOutcome) -> None:
         job = self.records.setdefault(outcome.job_id, {})
@@ -118,9 +141,19 @@ class FleetHistory:
         """One job's records as plain data: committed with each of its rounds, so a
         restarted server picks up where the job's scheduling was."""
         records = {d: asdict(r) for d, r in self.records.get(job_id, {}).items()}
-        return {"round": self.rounds.get(job_id, 0), "records": records}
+        trials = [asdict(t) for t in self.trials.get(job_id, [])]
+        return {"round": self.rounds.get(job_id, 0), "records": records, "trials": trials}
 
     def restore_job(self, job_id: str, data: Mapping[str, Any]) -> None:
         """Put back what :meth:`job_state` returned."""
         self.records[job_id] = {d: DeviceHistory(**r) for d, r in data["records"].items()}
         self.rounds[job_id] = int(data["round"])
+        self.restore_trials(job_id, data)
+
+    def restore_trials(self, job_id: str, data: Mapping[str, Any]) -> None:
+        """Put back only the knob trials of what :meth:`job_state` returned (a finished
+        job's lesson, for the jobs that come after it)."""
+        self.trials[job_id] = [
+            KnobTrial(int(t["round"]), tuple(t["knobs"]), tuple(t["context"]), float(t["reward"]))
+            for t in data.get("trials", [])
+        ]

@@ -26,6 +26,7 @@ from flotilla.scheduling.heuristics import (
 from flotilla.scheduling.pool import DevicePool
 from flotilla.scheduling.rl import RLParams
 from flotilla.scheduling.selector import RandomParams, RandomSelector, Selector
+from flotilla.scheduling.tuned import TunedParams, TunedSelector
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,13 @@ _SELECTORS: Mapping[str, SelectorInfo] = MappingProxyType(
                 lambda c, p: DataGreedySelector(c.durations, c.cost, p),
                 "greedy's pace and fairness, preferring data (samples x loss) at an "
                 "explicit data-for-time rate",
+            ),
+            SelectorInfo(
+                "tuned",
+                TunedParams,
+                lambda c, p: TunedSelector(c.durations, c.cost, c.rng, p),
+                "greedy+ with its knobs learned per round by a Thompson-sampling bandit "
+                "pooled across jobs",
             ),
             SelectorInfo(
                 "oort",

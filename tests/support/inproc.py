@@ -195,12 +195,14 @@ async def in_process_federation(
     engine: EngineConfig | None = None,
     agent_timeouts: Timeouts | None = None,
     sinks: Sequence[EventSink] = (),
+    restart: bool = False,
 ) -> AsyncIterator[InProcessFederation]:
-    """A federation on ``db_url`` (emptied first when it is PostgreSQL), its events sent to
-    ``sinks``; agents started on it are stopped, and the core closed, on the way out."""
+    """A federation on ``db_url`` (emptied first when it is PostgreSQL, unless this is a
+    ``restart`` on what an earlier one left), its events sent to ``sinks``; agents started
+    on it are stopped, and the core closed, on the way out."""
     state_dir.mkdir(parents=True, exist_ok=True)
     store = await Store.open(db_url)
-    if store.dialect == "postgresql":
+    if store.dialect == "postgresql" and not restart:
         await store.wipe()
     rendezvous = HostedRendezvous(state_dir / "rendezvous")
     hosted = Hosted(rendezvous=rendezvous, volunteers=VolunteerHost((), state_dir / "volunteer"))

@@ -34,7 +34,7 @@ from flotilla.core.timeouts import Timeouts
 from flotilla.core.work import DeviceCredential, ReportVerdict, Reservation, RoundRef, UploadHeader
 from flotilla.engine import EngineConfig, EngineServices, TaskRuntime
 from flotilla.engine.backend import Reported, TrainTask
-from flotilla.scheduling import Arbiter, DevicePool, Leases
+from flotilla.scheduling import Arbiter, DevicePool, KnobTrial, Leases
 from flotilla.secagg import Stage
 from flotilla.server.federation import auth
 from flotilla.server.federation.budget import ByteBudget
@@ -153,6 +153,7 @@ class Federation:
         them when it is alone) and run them (``federation.placement``)."""
         await self._devices.start()
         self._refusals.start()
+        await self._jobs.recall_lessons()
         await self._placement.start()
 
     async def close(self) -> None:
@@ -458,6 +459,11 @@ class Federation:
         """The profile selectors see for a device (the pool's, as it last reported it);
         None for a device not seen since this server started."""
         return self._pool.profile(device_id)
+
+    def knob_trials(self) -> list[KnobTrial]:
+        """What the ``tuned`` selectors have learned so far, every job's trials (from this
+        server's jobs and, after a restart, from those it recalled)."""
+        return self._pool.history.all_trials()
 
     def volunteer_runs(self) -> Sequence[VolunteerRunInfo]:
         return self._hosted.volunteers.infos()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 #: The first pause after a storage outage stopped a job; each further failure doubles it.
 OUTAGE_FIRST_DELAY_S = 0.5
+#: Finished jobs whose scheduling lessons (tuner trials) a starting server reads back.
+LESSONS_FROM_JOBS = 100
 
 
 class Jobs:
@@ -85,6 +88,29 @@ class Jobs:
         for job in await self._store.jobs_to_resume():
             if job.id in held:
                 self._start_runner(job)
+
+    async def recall_lessons(self, most: int = LESSONS_FROM_JOBS) -> int:
+        """Put back what the ``most`` latest finished jobs taught the tuners (their knob
+        trials, committed with their last round), so a restarted server's new jobs start
+        from them; unfinished jobs bring theirs back when they resume. Returns how many
+        jobs taught something."""
+        finished = [
+            j
+            for j in await self._store.list_jobs()
+            if j.state not in RESUMABLE_STATES and j.scheduler_sha256
+        ]
+        finished.sort(key=lambda j: (j.created_at, j.id))
+        history = self._services.leases.pool.history
+        taught = 0
+        for job in finished[-most:]:
+            try:
+                raw = await asyncio.to_thread(self._services.blobs.get, job.scheduler_sha256)
+                history.restore_trials(job.id, json.loads(raw)["history"])
+            except (OSError, KeyError, TypeError, ValueError) as exc:
+                log.warning("job %s: its scheduling state is unreadable: %s", job.id, exc)
+                continue
+            taught += bool(history.trials.get(job.id))
+        return taught
 
     async def stop(self) -> None:
         """Cancel every runner and wait for it (the store keeps what they committed)."""
