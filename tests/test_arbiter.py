@@ -162,3 +162,61 @@ async def test_shortfall_and_surplus_say_what_waiting_jobs_lack_and_what_they_le
     assert not any(arbiter.is_free(d) for d in grant.devices), "claimed: busy"
     assert not arbiter.is_free("nobody")
     await arbiter.close()
+
+
+# --- joint assignment ----------------------------------------------------------------------
+
+
+def _history_pool(n: int = 40) -> DevicePool:
+    """Devices of spread speed; job ``flat`` has taken about 1 s on every device it tried
+    (its work is tiny, its transfer the same everywhere), job ``compute`` 100 s / GFLOP/s."""
+    from flotilla.scheduling import RoundOutcome
+
+    pool = DevicePool(time.monotonic)
+    speeds = [2.0 ** (i / 8) for i in range(n)]
+    for i, gflops in enumerate(speeds):
+        pool.seen(DeviceProfile(f"d{i:03d}", tasks=("t",), gflops=gflops, upload_bytes_per_s=1e6))
+    tried = [f"d{i:03d}" for i in range(0, n, 5)]
+    speed = {f"d{i:03d}": g for i, g in enumerate(speeds)}
+    # (compute seconds x GFLOP/s, transfer seconds) of each job's rounds
+    for job, work, transfer in (("flat", 0.01, 1.0), ("compute", 100.0, 0.5)):
+        pool.record(
+            RoundOutcome(
+                job,
+                1,
+                {d: work / speed[d] + transfer for d in tried},
+                (),
+                selected=tuple(tried),
+                compute_s={d: work / speed[d] for d in tried},
+            )
+        )
+    return pool
+
+
+def _greedy(pool: DevicePool, job: str) -> DeviceRequest:
+    from flotilla.scheduling import CostModel, DurationModel, GreedyParams, GreedySelector
+
+    model = DurationModel(pool.history, pool.profile, task="t")
+    return DeviceRequest(
+        job, "t", 10, 10, GreedySelector(model, CostModel(1.0, 0.0), GreedyParams())
+    )
+
+
+@pytest.mark.parametrize("joint", [True, False])
+async def test_contested_devices_go_to_the_job_they_matter_most_to(joint: bool) -> None:
+    """``flat`` asks first and is as fast on any device; ``compute`` depends on the fast
+    ones. Jointly, ``compute`` gets them; in turn, ``flat`` takes them first."""
+    pool = _history_pool()
+    arbiter = Arbiter(pool, time.monotonic, grace_s=0.0, poll_s=0.01, joint=joint)
+    flat_request = arbiter.acquire(_greedy(pool, "flat"))
+    flat, compute = await asyncio.gather(flat_request, arbiter.acquire(_greedy(pool, "compute")))
+    assert not set(flat.devices) & set(compute.devices)
+    assert flat.contenders == compute.contenders == 2
+    assert flat.metrics()["sched_candidates"] == 40  # then compute chose among the rest
+    assert compute.metrics()["sched_candidates"] == 30
+    fastest = {f"d{i:03d}" for i in range(30, 40)}
+    if joint:
+        assert set(compute.devices) == fastest
+    else:
+        assert set(flat.devices) == fastest
+    await arbiter.close()

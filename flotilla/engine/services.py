@@ -27,6 +27,9 @@ class EngineConfig:
     #: updates keep producing a model that must not be committed (NaN, overflow), and
     #: retrying forever would hold devices other jobs need.
     max_refused_rounds: int = 5
+    #: Jobs deciding at the same moment get contested devices by one assignment (each to
+    #: the job it is relatively fastest for); False: each in turn, oldest first.
+    joint_assignment: bool = True
 
 
 class P2PPeers(Protocol):

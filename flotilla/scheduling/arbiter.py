@@ -4,7 +4,11 @@ Without it the job whose loop happens to run first takes every idle device it wa
 second job waits for that round to end, again and again. Here every job that is ready to
 start a round is decided in one pass: oldest request first, each taking at most an equal
 share of the devices still free for its task (but its quorum where there is one), chosen by
-its own selector. Devices handed out are reserved until the job redeems its grant (through
+its own selector. When several jobs are decided together and could use the same devices,
+one assignment first gives each contested device to the job it is relatively fastest for
+(a min-cost matching of predicted times, each job's relative to its own median), so the
+oldest job does not take the devices another depends on while it had others as good.
+Devices handed out are reserved until the job redeems its grant (through
 :class:`~flotilla.scheduling.leases.Leases`, right as it dispatches), so no decision hands
 one device to two jobs.
 """
@@ -18,8 +22,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from flotilla.core.device import DeviceProfile
 from flotilla.core.eligibility import EligibilitySection
+from flotilla.scheduling.duration import DurationModel
 from flotilla.scheduling.pool import DevicePool
 from flotilla.scheduling.selector import Selector
 
@@ -87,8 +94,12 @@ class Arbiter:
         clock: Callable[[], float],
         grace_s: float = 2.0,
         poll_s: float = 0.1,
+        joint: bool = True,
     ) -> None:
+        """``joint``: contested devices are assigned jointly (the module doc); False leaves
+        each job to choose in turn from what older ones left."""
         self.pool = pool
+        self._joint = joint
         self._clock = clock
         self._grace_s = grace_s
         self._poll_s = poll_s
@@ -165,18 +176,23 @@ class Arbiter:
             w for w in self._waiting.values() if not w.future.done() and self._is_ready(w, now)
         ]
         ready.sort(key=lambda w: (w.since, w.request.job_id))
+        cpu = time.process_time()
+        elsewhere = self._assign(ready) if self._joint and len(ready) > 1 else {}
+        joint_cpu = (time.process_time() - cpu) / max(len(ready), 1)
         grants = []
         for i, waiter in enumerate(ready):
             req = waiter.request
             candidates = self.idle(req.task, req.policy)
             if len(candidates) < req.min_quorum:
                 continue  # devices went to older requests; wait for the next pass
-            later = len(ready) - i - 1
-            share = len(candidates) // (later + 1)
-            cap = min(req.want, max(share, req.min_quorum))
-            cpu = time.process_time()
+            cap = _cap(req, len(candidates), len(ready) - i - 1)
+            theirs = elsewhere.get(req.job_id, frozenset())
+            mine = [c for c in candidates if c.device_id not in theirs]
+            cpu = time.process_time() - joint_cpu
             try:
-                chosen = req.selector.select(req.job_id, candidates, cap)
+                chosen = req.selector.select(
+                    req.job_id, mine if len(mine) >= min(cap, len(candidates)) else candidates, cap
+                )
             except Exception as exc:  # the job fails; the arbiter serves the others
                 del self._waiting[req.job_id]
                 waiter.future.set_exception(exc)
@@ -191,6 +207,41 @@ class Arbiter:
             del self._waiting[req.job_id]
             waiter.future.set_result(grant)
         return grants
+
+    def _assign(self, ready: list[_Waiter]) -> dict[str, frozenset[str]]:
+        """Per job: the devices the joint assignment gave to other jobs of this pass."""
+        from scipy.optimize import linear_sum_assignment  # scipy: only when jobs contend
+
+        columns: list[str] = []  # one per device a job asks for: its job id
+        candidates: dict[str, list[DeviceProfile]] = {}
+        for i, waiter in enumerate(ready):
+            req = waiter.request
+            mine = self.idle(req.task, req.policy)
+            candidates[req.job_id] = mine
+            columns += [req.job_id] * _cap(req, len(mine), len(ready) - i - 1)
+        rows = sorted({c.device_id for mine in candidates.values() for c in mine})
+        seen = [c.device_id for mine in candidates.values() for c in mine]
+        if not columns or len(seen) == len(rows):
+            return {}  # no device is wanted by two jobs
+        index = {d: i for i, d in enumerate(rows)}
+        cost = np.full((len(rows), len(columns)), _UNUSABLE)
+        for job_id, mine in candidates.items():
+            if not mine:
+                continue
+            req = next(w.request for w in ready if w.request.job_id == job_id)
+            model = DurationModel(self.pool.history, self.pool.profile, task=req.task)
+            slow = np.log(model.predict(job_id, mine).seconds())
+            relative = slow - float(np.median(slow))
+            cols = [j for j, owner in enumerate(columns) if owner == job_id]
+            at = [index[c.device_id] for c in mine]
+            cost[np.ix_(at, cols)] = relative[:, None]
+        picked_rows, picked_cols = linear_sum_assignment(cost)
+        given: dict[str, set[str]] = {job_id: set() for job_id in candidates}
+        for r, c in zip(picked_rows.tolist(), picked_cols.tolist(), strict=True):
+            if cost[r, c] < _UNUSABLE:
+                given[columns[c]].add(rows[r])
+        everyone = set().union(*given.values())
+        return {job_id: frozenset(everyone - mine) for job_id, mine in given.items()}
 
     def _is_ready(self, waiter: _Waiter, now: float) -> bool:
         req = waiter.request
@@ -239,3 +290,13 @@ class Arbiter:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+
+
+#: Cost of a device for a job that cannot use it (far above any log-time difference).
+_UNUSABLE = 1e6
+
+
+def _cap(req: DeviceRequest, candidates: int, later: int) -> int:
+    """Devices a job may take: what it wants, at most an equal share with the ``later``
+    jobs of the pass, but its quorum where there is one."""
+    return min(req.want, max(candidates // (later + 1), req.min_quorum))

@@ -39,12 +39,17 @@ class SimulationSection:
     max_simulated_s: float = 30 * 86_400.0
     #: ``auto``: vectorized when the task allows it; ``batched`` or ``loop`` to insist.
     trainer: str = "auto"
+    #: How jobs deciding at the same moment share devices: ``joint`` (one assignment of
+    #: the contested devices) or ``sequential`` (oldest first), as on a server.
+    arbiter: str = "joint"
 
     def __post_init__(self) -> None:
         if self.trainer not in ("auto", "batched", "loop"):
             raise SpecError(
                 f"simulation.trainer {self.trainer!r} is not one of auto, batched, loop"
             )
+        if self.arbiter not in ("joint", "sequential"):
+            raise SpecError(f"simulation.arbiter {self.arbiter!r} is not one of joint, sequential")
         if not self.max_simulated_s > 0:
             raise SpecError("simulation.max_simulated_s must be > 0")
 

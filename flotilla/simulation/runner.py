@@ -269,7 +269,10 @@ async def _simulate(
         classes = {d.device_id: d.kind for d in virtual}
         run_log = RunLog(out, participation, backend.dropouts, wall_start, bar, classes)
         ledger = SimLedger([run_log])
-        arbiter = Arbiter(pool, loop.time, SIM_ENGINE.selection_grace_s, SIM_ENGINE.idle_poll_s)
+        joint = experiment.simulation.arbiter == "joint"
+        arbiter = Arbiter(
+            pool, loop.time, SIM_ENGINE.selection_grace_s, SIM_ENGINE.idle_poll_s, joint=joint
+        )
         services = EngineServices(backend, leases, arbiter, ledger, blobs, loop.time, SIM_ENGINE)
         runners = [
             _runner(i, spec, services, ledger, scratch, experiment.seed)

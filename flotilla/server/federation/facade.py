@@ -100,7 +100,13 @@ class Federation:
         self._leases = Leases(self._pool)
         self._gateway = Gateway(self._pool, clock, self._leases)
         engine = config.engine
-        self._arbiter = Arbiter(self._pool, clock, engine.selection_grace_s, engine.idle_poll_s)
+        self._arbiter = Arbiter(
+            self._pool,
+            clock,
+            engine.selection_grace_s,
+            engine.idle_poll_s,
+            joint=engine.joint_assignment,
+        )
         self._hosted = hosted
         self._devices = Devices(store, self._pool, clock, self._events)
         self._uploads = Uploads(
