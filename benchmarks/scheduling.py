@@ -84,6 +84,10 @@ SCENARIOS: Mapping[str, str] = {
 FRONTIER = ("greedy-b300", "greedy-b1000", "greedy", "greedy-b10000", "fedcs")
 #: Selectors every other one is compared against, when registered.
 BASELINES = ("random", "greedy", "greedy+")
+#: Today's arbiter before joint assignment (``NAME-seq``: oldest job first), run only
+#: where jobs contend.
+SEQUENTIAL = "greedy-seq"
+ONLY_IN: Mapping[str, tuple[str, ...]] = {SEQUENTIAL: ("arrivals",)}
 BUDGETS_S = (300.0, 1000.0, 3000.0)
 BOOTSTRAP = 2000
 #: Evaluations the smoothed curve takes the median of.
@@ -144,7 +148,7 @@ def selector_names() -> tuple[str, ...]:
 def default_selectors() -> tuple[str, ...]:
     """Every registered selector, then the frontier's greedy variants."""
     names = selector_names()
-    return (*names, *(f for f in FRONTIER if f not in names))
+    return (*names, *(f for f in FRONTIER if f not in names), SEQUENTIAL)
 
 
 @dataclass(frozen=True)
@@ -259,7 +263,10 @@ def run_key(scenario: str, selector: str, seed: int, overrides: Sequence[str]) -
 
 
 def selector_overrides(selector: str) -> list[str]:
-    """``NAME-bBETA``: selector NAME with ``scheduling.beta = BETA``."""
+    """``NAME-bBETA``: selector NAME with ``scheduling.beta = BETA``; ``NAME-seq``: NAME
+    with the arbiter deciding jobs in turn (``simulation.arbiter = sequential``)."""
+    if selector.endswith("-seq"):
+        return [*selector_overrides(selector[:-4]), "simulation.arbiter=sequential"]
     m = re.fullmatch(r"(.+)-b(\d+(?:\.\d+)?)", selector)
     if m:
         return [f"scheduling.selector={m.group(1)}", f"scheduling.beta={m.group(2)}"]
@@ -566,6 +573,14 @@ def floors(table: Mapping[str, Any], plan: Plan) -> list[dict[str, Any]]:
                 floor(
                     f"tuned vs greedy+ AUC, {scenario}", ratio(scenario, "tuned", "greedy+"), limit
                 )
+    contended = table.get("arrivals", {})
+    if SEQUENTIAL in contended and "greedy" in contended:
+        before, after = contended[SEQUENTIAL]["avg_jct_s"], contended["greedy"]["avg_jct_s"]
+        floor(
+            "joint assignment: average JCT, sequential / joint arbiter, arrivals (greedy)",
+            before / after if before and after else None,
+            1.15,
+        )
     cpu = [
         e["sched_cpu_ms_mean"]
         for rows in table.values()
@@ -740,7 +755,7 @@ def todo(plan: Plan, done: Mapping[str, Any]) -> list[tuple[str, str, int]]:
         for seed in plan.seeds
         for sc in plan.scenarios
         for sel in plan.selectors
-        if run_key(sc, sel, seed, plan.overrides) not in done
+        if sc in ONLY_IN.get(sel, (sc,)) and run_key(sc, sel, seed, plan.overrides) not in done
     ]
 
 
