@@ -220,3 +220,17 @@ async def test_contested_devices_go_to_the_job_they_matter_most_to(joint: bool) 
     else:
         assert set(flat.devices) == fastest
     await arbiter.close()
+
+
+async def test_a_job_deciding_alone_leaves_a_running_jobs_best_devices_idle() -> None:
+    """``compute`` holds devices for its running round; ``flat`` then asks alone and takes
+    devices ``compute`` will not miss, leaving idle the fast ones it will ask for next."""
+    pool = _history_pool(60)
+    arbiter = Arbiter(pool, time.monotonic, grace_s=0.0, poll_s=0.01, joint=True)
+    compute = await arbiter.acquire(_greedy(pool, "compute"))
+    assert claim(pool, compute) == list(compute.devices)  # its round runs on them
+    flat = await arbiter.acquire(_greedy(pool, "flat"))
+    idle_fast = {f"d{i:03d}" for i in range(40, 50)}  # fastest after compute's own
+    assert not idle_fast & set(flat.devices)
+    assert len(flat.devices) == 10
+    await arbiter.close()

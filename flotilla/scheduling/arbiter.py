@@ -7,10 +7,12 @@ share of the devices still free for its task (but its quorum where there is one)
 its own selector. When several jobs are decided together and could use the same devices,
 one assignment first gives each contested device to the job it is relatively fastest for
 (a min-cost matching of predicted times, each job's relative to its own median), so the
-oldest job does not take the devices another depends on while it had others as good.
-Devices handed out are reserved until the job redeems its grant (through
-:class:`~flotilla.scheduling.leases.Leases`, right as it dispatches), so no decision hands
-one device to two jobs.
+oldest job does not take the devices another depends on while it had others as good. Jobs
+whose rounds are running (they will ask again soon) take part too, with what the deciding
+jobs leave: a job deciding alone then leaves idle the devices a running job needs most,
+when it has others as good for itself. Devices handed out are reserved until the job
+redeems its grant (through :class:`~flotilla.scheduling.leases.Leases`, right as it
+dispatches), so no decision hands one device to two jobs.
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ class Arbiter:
         self._waiting: dict[str, _Waiter] = {}
         #: Device -> job it was granted to and has not claimed yet.
         self._reserved: dict[str, str] = {}
+        #: Each job's last request and the devices it was granted: while any of them still
+        #: serves it, its round is running and it will ask again.
+        self._last: dict[str, tuple[DeviceRequest, tuple[str, ...]]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
@@ -177,7 +182,9 @@ class Arbiter:
         ]
         ready.sort(key=lambda w: (w.since, w.request.job_id))
         cpu = time.process_time()
-        elsewhere = self._assign(ready) if self._joint and len(ready) > 1 else {}
+        running = self._running(ready) if self._joint else []
+        contend = self._joint and (len(ready) > 1 or bool(ready and running))
+        elsewhere = self._assign([w.request for w in ready], running) if contend else {}
         joint_cpu = (time.process_time() - cpu) / max(len(ready), 1)
         grants = []
         for i, waiter in enumerate(ready):
@@ -200,6 +207,7 @@ class Arbiter:
             cpu = time.process_time() - cpu
             for device_id in chosen:
                 self._reserved[device_id] = req.job_id
+            self._last[req.job_id] = (req, tuple(chosen))
             grant = Grant(
                 req.job_id, chosen, now - waiter.since, len(ready), len(candidates), cpu, self
             )
@@ -208,28 +216,45 @@ class Arbiter:
             waiter.future.set_result(grant)
         return grants
 
-    def _assign(self, ready: list[_Waiter]) -> dict[str, frozenset[str]]:
-        """Per job: the devices the joint assignment gave to other jobs of this pass."""
+    def _running(self, ready: list[_Waiter]) -> list[DeviceRequest]:
+        """Requests of the jobs not deciding now whose last round still holds a device (a
+        job that finished holds none, and is forgotten)."""
+        deciding = {w.request.job_id for w in ready}
+        out = []
+        for job_id, (req, devices) in list(self._last.items()):
+            if not any(self.pool.busy_with(d) == job_id for d in devices):
+                del self._last[job_id]
+            elif job_id not in deciding:
+                out.append(req)
+        return out
+
+    def _assign(
+        self, deciding: list[DeviceRequest], running: list[DeviceRequest]
+    ) -> dict[str, frozenset[str]]:
+        """Per deciding job: the devices one assignment gave to other jobs (deciding ones
+        first, each up to what it may take; running ones share what is left)."""
         from scipy.optimize import linear_sum_assignment  # scipy: only when jobs contend
 
-        columns: list[str] = []  # one per device a job asks for: its job id
+        columns: list[str] = []  # one per device a job may take: its job id
         candidates: dict[str, list[DeviceProfile]] = {}
-        for i, waiter in enumerate(ready):
-            req = waiter.request
-            mine = self.idle(req.task, req.policy)
-            candidates[req.job_id] = mine
-            columns += [req.job_id] * _cap(req, len(mine), len(ready) - i - 1)
+        requests = {r.job_id: r for r in (*deciding, *running)}
+        for i, req in enumerate(deciding):
+            candidates[req.job_id] = self.idle(req.task, req.policy)
+            columns += [req.job_id] * _cap(req, len(candidates[req.job_id]), len(deciding) - i - 1)
+        for req in running:
+            candidates[req.job_id] = self.idle(req.task, req.policy)
         rows = sorted({c.device_id for mine in candidates.values() for c in mine})
-        seen = [c.device_id for mine in candidates.values() for c in mine]
-        if not columns or len(seen) == len(rows):
+        spare = (len(rows) - len(columns)) // max(len(running), 1)
+        for req in running:
+            columns += [req.job_id] * min(req.want, max(spare, 0))
+        wanted = [c.device_id for job in set(columns) for c in candidates[job]]
+        if len(wanted) == len(set(wanted)):
             return {}  # no device is wanted by two jobs
         index = {d: i for i, d in enumerate(rows)}
         cost = np.full((len(rows), len(columns)), _UNUSABLE)
-        for job_id, mine in candidates.items():
-            if not mine:
-                continue
-            req = next(w.request for w in ready if w.request.job_id == job_id)
-            model = DurationModel(self.pool.history, self.pool.profile, task=req.task)
+        for job_id in set(columns):
+            mine = candidates[job_id]
+            model = DurationModel(self.pool.history, self.pool.profile, task=requests[job_id].task)
             slow = np.log(model.predict(job_id, mine).seconds())
             relative = slow - float(np.median(slow))
             cols = [j for j, owner in enumerate(columns) if owner == job_id]
@@ -241,7 +266,7 @@ class Arbiter:
             if cost[r, c] < _UNUSABLE:
                 given[columns[c]].add(rows[r])
         everyone = set().union(*given.values())
-        return {job_id: frozenset(everyone - mine) for job_id, mine in given.items()}
+        return {req.job_id: frozenset(everyone - given[req.job_id]) for req in deciding}
 
     def _is_ready(self, waiter: _Waiter, now: float) -> bool:
         req = waiter.request
