@@ -1,11 +1,12 @@
 """``greedy+``: greedy's pace and fairness, but the round's data counts too.
 
 Greedy minimises ``alpha * T + beta * F`` and so leans to small shards, which are fast;
-yet how far a round moves the model depends on the data it trains on. Under
-sample-weighted averaging a round's update is the weighted mean of its devices' updates,
-and each device's update grows with its local steps (its samples, for a fixed batch size
-and epochs) and with how much it still has to learn (its loss). So a set's **utility** is
-the sample-weighted mean of ``samples x loss`` (Oort's statistical utility, per device).
+yet how far a round moves the model depends on the data it trains on: each device's
+update grows with its local steps (its samples, for a fixed batch size and epochs) and with
+how much it still has to learn (its loss). So a set's **utility** is the sum over its
+devices of ``samples x loss`` (Oort's statistical utility): the useful samples the round
+trains on. (Its sample-weighted mean, how aggregation weighs the updates, overrates a set
+that one large shard dominates, and measured no better.)
 
 Every pace ``P`` a round could run at (the candidates' predicted times) proposes one set:
 the devices that fit it, least picked first as greedy's fairness wants and, among equals,

@@ -3,7 +3,8 @@
 Greedy+ has knobs whose best values differ by job: how much data is worth in time (a char
 LM's equal shards make it worthless, a transfer-bound job gets it nearly free) and whether
 the devices' losses say anything. Learning device sets from ~40 noisy rewards cannot beat a
-near-oracle greedy; learning 2 knobs of it can, and what one job learned serves the next.
+near-oracle greedy; learning 2 knobs of it may, and what one job learned serves the next
+(measured so far: a tie with greedy+, docs/scheduling.md#results).
 
 Each round the job picks an **arm** (a pair of knob values) by Thompson sampling from a
 Bayesian linear model per arm, ``reward ~ theta_arm . context``, where the context
@@ -12,8 +13,8 @@ devices' data differ), so an arm's record on one kind of job transfers to simila
 The prior puts greedy+'s defaults ahead by ``prior_lead``: with no evidence it is greedy+.
 
 The reward of a round is the progress it made per second: the drop in the median loss
-devices report (each reports the loss of the model it started from, so round ``t``'s work
-shows in round ``t + 1``'s reports), over the round's duration, relative to the job's
+devices report (their training loss, which starts from the model they were sent, so round
+``t``'s work shows in round ``t + 1``'s reports), over the round's duration, relative to the job's
 recent progress (an exponential average), so the decay of a learning curve is not taken
 for a bad arm. Trials live in the pool's history, committed with each job's rounds.
 """
