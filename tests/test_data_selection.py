@@ -285,3 +285,22 @@ def test_in_simulation_greedy_plus_aggregates_more_data_than_greedy(tmp_path: Pa
         samples[selector] = [float(np.sum(v)) for _, v in sorted(per_round.items())]
     assert len(samples["greedy+"]) == 3
     assert np.mean(samples["greedy+"]) > 1.3 * np.mean(samples["greedy"])
+
+
+SKEWED = {"min_samples": 10, "max_samples": 500, "size_dist": "loguniform", "size_skew": -0.3}
+
+
+@pytest.mark.parametrize(
+    ("params", "count"),
+    [({"augment": True}, 100), ({"augment": True, **SKEWED}, 100), ({}, 20)],
+)
+def test_the_digits_task_counts_a_shard_without_building_it(
+    params: dict[str, object], count: int
+) -> None:
+    from flotilla.core.spec import DataSection
+    from flotilla.tasks.digits import DigitsTask
+
+    task, data = DigitsTask(), DataSection(params=params)
+    for index in range(0, count, 3):
+        shard = Shard(index, count)
+        assert task.train_samples(shard, data) == task.load_shard(shard, data).num_train

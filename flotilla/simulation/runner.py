@@ -384,7 +384,7 @@ def _shard_sizes(
         if task not in sizes:
             shards = trainers[task].shards
             sizes[task] = [
-                shards.get(spec.data, i).num_train for i in range(experiment.population.clients)
+                shards.num_train(spec.data, i) for i in range(experiment.population.clients)
             ]
     return sizes
 

@@ -71,6 +71,17 @@ class ShardCache:
             self._shards[key] = shard
         return shard
 
+    def num_train(self, data: DataSection, client: int) -> int:
+        """Training samples of a client's shard, without loading it when the task can
+        tell (``train_samples(shard, data)``, optional): every client's count is needed
+        at the start, its data only when it trains."""
+        from flotilla.tasks import Shard
+
+        count = getattr(self.task, "train_samples", None)
+        if callable(count):
+            return int(count(Shard(client, self.count), data))
+        return int(self.get(data, client).num_train)
+
 
 def is_batchable(task: Any) -> bool:
     if not callable(getattr(task, "example_losses", None)):

@@ -250,6 +250,17 @@ class DigitsTask:
         val, train = order[:n_val], order[n_val:]
         return LocalData(train=_tensors(x_pool, y_pool, train), val=_tensors(x_pool, y_pool, val))
 
+    def train_samples(self, shard: Shard, data: DataSection) -> int:
+        """Training samples :meth:`load_shard` would give ``shard``, without building it
+        when the shard is augmented (the simulator needs every device's count at the
+        start, its images only when it trains)."""
+        augment = AugmentParams.from_params(data.params)
+        if not augment.augment:
+            return self.load_shard(shard, data).num_train
+        rng = np.random.default_rng([data.seed % 2**64, shard.count, shard.index, 1])
+        n = augment.shard_size(shard, rng)
+        return n - max(1, round(VAL_FRACTION * n))
+
     def _augmented_shard(self, shard: Shard, data: DataSection, p: AugmentParams) -> LocalData:
         """A shard for fleets larger than the 1,437 pool images allow: ``min..max_samples``
         examples with Dirichlet(alpha) label skew, each a real pool image of its label,
