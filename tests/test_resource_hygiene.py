@@ -2,10 +2,12 @@
 database connections at round 60 are what they were at round 15.
 
 The server core and real agents share this process (in-process transport), so every count
-is this process's; each is the smallest of the samples taken every 0.1 s across five whole
-rounds, so both windows see every phase of a round (training, uploading, aggregating) and a
-task that lives for one phase does not count as growth. Memory over a long run is the soak's
-(``benchmarks/load.py``, docs/load.md), where the server has a process of its own.
+is this process's; each is the smallest of the samples taken every 10 ms across five whole
+rounds, and at least :data:`MIN_SAMPLES` of them (rounds of this tiny model can commit
+faster than a sample a round), so both windows see every phase of a round (training,
+uploading, aggregating) and a task that lives for one phase does not count as growth.
+Memory over a long run is the soak's (``benchmarks/load.py``, docs/load.md), where the
+server has a process of its own.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ TASK = "flotilla.tasks.synthetic:Linear100K"
 ROUNDS = 80
 EARLY, LATE = 15, 60
 WINDOW = 5
+#: Fewest samples a window takes, however fast its rounds commit.
+MIN_SAMPLES = 40
 
 
 @dataclass(frozen=True)
@@ -47,16 +51,18 @@ async def at_round(fed: InProcessFederation, job_id: str, rounds: int) -> None:
 
 
 async def counts_across_rounds(fed: InProcessFederation, job_id: str, start: int) -> Counts:
-    """The smallest of each count sampled from round ``start`` until ``WINDOW`` more commit."""
+    """The smallest of each count sampled from round ``start`` until ``WINDOW`` more commit
+    and at least ``MIN_SAMPLES`` were taken."""
     await at_round(fed, job_id, start)
     proc = psutil.Process()
     samples = []
-    for _ in range(3000):  # bounded: 300 s at 0.1 s
+    for _ in range(30_000):  # bounded: 300 s at 10 ms
         tasks, fds, threads = len(asyncio.all_tasks()), proc.num_fds(), threading.active_count()
         samples.append(Counts(tasks, fds, threads, fed.store.connections_in_use()))
-        if await rounds_committed(fed, job_id) >= start + WINDOW:
+        enough = len(samples) >= MIN_SAMPLES
+        if enough and await rounds_committed(fed, job_id) >= start + WINDOW:
             break
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.01)
     else:
         raise AssertionError(f"rounds {start}..{start + WINDOW} did not commit")
     return Counts(*(min(getattr(s, f) for s in samples) for f in Counts.__dataclass_fields__))
