@@ -181,11 +181,12 @@ class Arbiter:
             w for w in self._waiting.values() if not w.future.done() and self._is_ready(w, now)
         ]
         ready.sort(key=lambda w: (w.since, w.request.job_id))
-        cpu = time.process_time()
+        started = time.process_time()
         running = self._running(ready) if self._joint else []
         contend = self._joint and (len(ready) > 1 or bool(ready and running))
         elsewhere = self._assign([w.request for w in ready], running) if contend else {}
-        joint_cpu = (time.process_time() - cpu) / max(len(ready), 1)
+        # The assignment's CPU is shared by the jobs it decided for.
+        assign_cpu = (time.process_time() - started) / max(len(ready), 1)
         grants = []
         for i, waiter in enumerate(ready):
             req = waiter.request
@@ -195,7 +196,7 @@ class Arbiter:
             cap = _cap(req, len(candidates), len(ready) - i - 1)
             theirs = elsewhere.get(req.job_id, frozenset())
             mine = [c for c in candidates if c.device_id not in theirs]
-            cpu = time.process_time() - joint_cpu
+            cpu = time.process_time()
             try:
                 chosen = req.selector.select(
                     req.job_id, mine if len(mine) >= min(cap, len(candidates)) else candidates, cap
@@ -204,7 +205,7 @@ class Arbiter:
                 del self._waiting[req.job_id]
                 waiter.future.set_exception(exc)
                 continue
-            cpu = time.process_time() - cpu
+            cpu = time.process_time() - cpu + assign_cpu
             for device_id in chosen:
                 self._reserved[device_id] = req.job_id
             self._last[req.job_id] = (req, tuple(chosen))

@@ -109,15 +109,6 @@ class DataGreedySelector(Stateless):
         """Learning lives in the duration model's history."""
 
 
-def samples_or_typical(
-    model: DurationModel, job_id: str, candidates: Sequence[DeviceProfile]
-) -> np.ndarray:
-    """Samples per candidate: the typical device's where unknown; 1 each when none said."""
-    samples = model.samples(job_id, candidates)
-    known = samples > 0
-    return np.where(known, samples, float(np.median(samples[known])) if known.any() else 1.0)
-
-
 def utility(
     model: DurationModel, job_id: str, candidates: Sequence[DeviceProfile], loss_weight: float
 ) -> np.ndarray:
@@ -125,7 +116,7 @@ def utility(
     relative to the mean loss of the round it was reported in (early rounds report high
     losses from every device: that says when, not who), and a device not yet heard from
     counts as that mean."""
-    samples = samples_or_typical(model, job_id, candidates)
+    samples = model.filled_samples(job_id, candidates)
     if loss_weight == 0:
         return samples
     records = model.history.job(job_id)

@@ -59,6 +59,11 @@ class DurationModel:
             out[i] = told if told > 0 else (rec.last_samples if rec is not None else 0)
         return out
 
+    def filled_samples(self, job_id: str, candidates: Sequence[DeviceProfile]) -> np.ndarray:
+        """:meth:`samples` with the unknown ones counted as the typical device's (the
+        median of the known), and 1 for every device when none is known."""
+        return _fill_unmeasured(self.samples(job_id, candidates))
+
     def predict(self, job_id: str, candidates: Sequence[DeviceProfile]) -> Prediction:
         records = self.history.job(job_id)
         gflops = np.array([max(c.gflops, 0.0) for c in candidates], dtype=np.float64)

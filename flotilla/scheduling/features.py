@@ -46,10 +46,9 @@ def device_features(
     mean_loss = float(losses[known].mean()) if known.any() else 1.0
     loss = np.where(known, losses / max(mean_loss, 1e-6), 1.0)
     delivered = np.array([1.0 if r is not None and r.delivered else 0.0 for r in recs])
-    samples = model.samples(job_id, candidates)
-    known = samples > 0
-    typical = float(np.median(samples[known])) if known.any() else 1.0
-    data = np.where(known, np.log(np.maximum(samples, 1.0) / typical), 0.0)
+    # Filling the unknown with the median leaves the median as it was: they score 0.
+    samples = model.filled_samples(job_id, candidates)
+    data = np.log(samples / float(np.median(samples)))
     out = np.stack(
         [
             pred.log_mean - math.log(max(deadline_s, 1e-3)),

@@ -115,7 +115,6 @@ class TunedSelector:
         self._default = _nearest(self._arms, DataGreedyParams())
         self._pending: dict[str, list[_Pending]] = {}
         self._progress: dict[str, float] = {}
-        self._last_loss: dict[str, float] = {}
 
     # --- choosing -------------------------------------------------------------------------
 
