@@ -188,6 +188,37 @@ def test_greedy_plus_serves_the_least_picked_first() -> None:
         play(pool, r, [d for d in devices if d.device_id in set(picked)])
 
 
+def test_fairness_as_a_budget_lets_fast_devices_repeat_until_others_are_owed() -> None:
+    """Within its budget a device costs nothing for having served, so the round keeps its
+    pace with devices already picked; a device owed more than the budget is served
+    before any device that is not owed; and no device falls far behind its share."""
+    devices = fleet(200, seed=6)
+    pool = pool_of(devices)
+    budget = DataGreedySelector(
+        model_of(pool), CostModel(1.0, 3000.0), DataGreedyParams(fairness="budget", budget=2.0)
+    )
+    variance = greedy_plus(pool, rate=0.5)
+    by_id = {d.device_id: d for d in devices}
+    play(pool, 0, devices)  # every device measured once: the time model is exact
+    first = budget.select(JOB, devices, 20)
+    play(pool, 1, [by_id[d] for d in first])
+    # Nobody is owed yet (0.1 selections behind the average): the same fast set is the best again,
+    # while greedy's variance sends the round to devices not yet picked.
+    assert set(budget.select(JOB, devices, 20)) == set(first)
+    assert not set(variance.select(JOB, devices, 20)) & set(first)
+    for r in range(2, 61):
+        play(pool, r, [by_id[d] for d in budget.select(JOB, devices, 20)])
+    rounds = 61  # round 0 took every device
+    # A device owed o selections pulls like 2 * beta * o / n seconds of pace, so none
+    # falls further behind its share than its extra time says (plus the budget).
+    counts = pool.history.selection_counts(JOB, [d.device_id for d in devices])
+    seconds = np.array([true_seconds(d) for d in devices])
+    extra = 1.5 * (seconds - np.sort(seconds)[19]) * 200 / (2 * 3000.0)
+    behind = counts.mean() - counts
+    assert np.all(behind <= 2.0 + np.maximum(extra, 0.0) + 1.0), (behind.max(), extra.max())
+    assert counts.min() >= 2 and counts.max() < rounds
+
+
 def test_greedy_plus_weighs_loss_when_asked() -> None:
     devices = [
         DeviceProfile(

@@ -1,20 +1,23 @@
-"""``bayesian``: choose among candidate device sets by a Gaussian-process model of their cost.
+"""``bayesian``: greedy+ corrected by a Gaussian process of what its predictions miss.
 
-Each round a finite list of candidate sets is drawn (rules that weigh speed, fairness,
-loss and reliability differently, with noise; plus a uniform one, the fastest one and the
-greedy selector's choice).
-A set is described by what its devices are like (mean and worst predicted time, failure
-odds, how often they served, staleness, loss, share explored), never by who they are, so
-what was learned about one set transfers to sets never tried. A GP maps those features to
-the round cost ``alpha * T + beta * F`` observed after each round, and the set with the
-highest log expected improvement is taken (Ament et al. 2023's LogEI, which does not
-vanish numerically far from the best).
+Greedy+ minimises a predicted cost, ``alpha * P * (U_greedy / U) ** rate + beta * F``
+(:mod:`flotilla.scheduling.data_greedy`); the prediction is as good as the duration model,
+and a model fed by profiles that lie, rounds that jitter and devices that throttle is wrong
+in ways that depend on what a set is like (how many of its devices are unexplored, how
+slow its slowest is predicted to be). This selector learns that error: a GP maps a set's
+features (mean and worst predicted time, failure odds, how often its devices served,
+staleness, loss, share explored, data; never who they are) to the **residual**, observed
+cost minus predicted, and each round takes the candidate whose predicted cost plus a
+Thompson draw of the residual is least.
 
-With ``backend = "botorch"`` (the ``bayes`` extra: BoTorch, GPyTorch) the GP is BoTorch's
-``SingleTaskGP`` with fitted hyperparameters (refitted every ``refit_every`` rounds, warm
-in between) and ``LogExpectedImprovement``; by default a small exact GP with fixed
-hyperparameters on standardized data, ~30x cheaper per decision. The observations are the
-selector's state.
+The candidates are greedy+'s set, greedy+'s sets at other exchange rates and loss weights,
+and sets drawn by rules that weigh speed, fairness, loss and reliability at random. With
+no observations the residual is 0 everywhere and the first ``warmup_rounds`` take greedy+'s
+set, so "no learning" is greedy+; exploration grows only as far as the residuals observed
+vary. With ``backend = "botorch"`` (the ``bayes`` extra: BoTorch, GPyTorch) the GP is
+BoTorch's ``SingleTaskGP`` with fitted hyperparameters (refitted every ``refit_every``
+rounds, warm in between); by default a small exact GP with fixed hyperparameters, ~30x
+cheaper per decision. The observations are the selector's state.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ import numpy as np
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import SpecError
 from flotilla.scheduling.cost import CostModel, observed_cost
+from flotilla.scheduling.data_greedy import DataGreedyParams, DataGreedySelector, utility
 from flotilla.scheduling.duration import DurationModel
 from flotilla.scheduling.features import DEVICE_FEATURES, device_features
-from flotilla.scheduling.heuristics import GreedyParams, GreedySelector
 from flotilla.scheduling.history import RoundOutcome
 
 _COL = {name: i for i, name in enumerate(DEVICE_FEATURES)}
@@ -57,16 +60,21 @@ class BayesianParams:
     candidates: int = 32
     #: Observations the GP keeps (the most recent).
     window: int = 128
-    #: Rounds that take a random candidate before the GP has enough to go on.
-    warmup_rounds: int = 4
+    #: Rounds that take greedy+'s set before the GP is asked.
+    warmup_rounds: int = 2
     #: ``numpy`` (a fixed-hyperparameter GP: ~0.3 ms a decision), ``botorch`` (fitted
     #: hyperparameters; the ``bayes`` extra; ~8 ms a decision plus ~130 ms a refit and
     #: ~1 s for the first) or ``auto`` (BoTorch when installed).
     backend: str = "numpy"
     #: BoTorch: refit the GP's hyperparameters every this many observations.
     refit_every: int = 10
+    #: greedy+'s knobs: the cost predicted and learned is greedy+'s.
+    data_rate: float = 0.5
+    loss_weight: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.data_rate >= 0 or not self.loss_weight >= 0:
+            raise SpecError("scheduling.params: bayesian data_rate and loss_weight must be >= 0")
         if self.candidates < 2 or self.window < 2 or self.refit_every < 1:
             raise SpecError(
                 "scheduling.params: bayesian needs candidates >= 2, window >= 2, refit_every >= 1"
@@ -96,6 +104,8 @@ def set_features(device_rows: np.ndarray) -> np.ndarray:
 
 
 class BayesianSelector:
+    """Greedy+ plus a learned residual of its cost (see the module doc)."""
+
     def __init__(
         self,
         model: DurationModel,
@@ -104,20 +114,17 @@ class BayesianSelector:
         rng: random.Random,
         params: BayesianParams,
     ) -> None:
-        if params.candidates < 2 or params.window < 2 or params.refit_every < 1:
-            raise SpecError(
-                "bayesian selector: need candidates >= 2, window >= 2, refit_every >= 1"
-            )
         self._model = model
         self._cost = cost
-        self._deadline_s = deadline_s
+        self._deadline_s = max(deadline_s, 1e-6)
         self._rng = rng
         self._p = params
-        self._gp = _make_gp(params)
-        self._greedy = GreedySelector(model, cost, GreedyParams())
+        self._gp = make_gp(params)
+        self._knobs = DataGreedyParams(data_rate=params.data_rate, loss_weight=params.loss_weight)
+        self._greedy_plus = DataGreedySelector(model, cost, self._knobs)
         self._x: list[list[float]] = []
         self._y: list[float] = []
-        self._pending: tuple[str, np.ndarray, list[str]] | None = None
+        self._pending: _Pending | None = None
 
     def select(self, job_id: str, candidates: Sequence[DeviceProfile], count: int) -> list[str]:
         n = len(candidates)
@@ -126,42 +133,128 @@ class BayesianSelector:
         count = min(count, n)
         gen = np.random.default_rng(self._rng.getrandbits(64))
         rows = device_features(self._model, job_id, candidates, self._deadline_s).astype(np.float64)
-        sets = candidate_sets(rows, count, self._p.candidates - 1, gen)
-        # The cost-aware greedy choice is always a candidate: the GP decides when to deviate.
-        where = {c.device_id: i for i, c in enumerate(candidates)}
-        greedy = self._greedy.select(job_id, candidates, count)
-        sets.append(np.array([where[d] for d in greedy], dtype=np.int64))
+        choice = self._greedy_plus.choose(job_id, candidates, count, self._knobs)
+        drawn = candidate_sets(rows, count, self._p.candidates, gen)
+        sets = _distinct([choice.picks, *self._variants(job_id, candidates, count), *drawn])
+        sets = sets[: self._p.candidates]
+        predicted = self._predicted(job_id, candidates, sets, choice.greedy_utility)
         x = np.stack([set_features(rows[s]) for s in sets])
-        if len(self._y) < self._p.warmup_rounds:
-            pick = int(gen.integers(len(sets)))
-        else:
-            scores = self._gp.log_ei(np.array(self._x), np.array(self._y), x)
-            pick = int(np.argmax(scores))
+        pick = 0  # greedy+'s set
+        y = np.array(self._y)
+        if len(y) >= max(self._p.warmup_rounds, 2):
+            draw = np.zeros(len(sets))
+            if np.ptp(y) > 1e-9 * (1.0 + float(np.abs(y).max())):  # else nothing to learn
+                mean, cov = self._gp.posterior(np.array(self._x), y, x)
+                draw = mean + _cholesky(cov) @ gen.standard_normal(len(sets))
+            pick = int(np.argmin(predicted.total + draw))
         ids = [c.device_id for c in candidates]
-        self._pending = (job_id, x[pick], ids)
+        self._pending = _Pending(
+            job_id, x[pick], ids, float(predicted.total[pick]), float(predicted.data_ratio[pick])
+        )
         return [ids[int(i)] for i in sets[pick]]
+
+    def _variants(
+        self, job_id: str, candidates: Sequence[DeviceProfile], count: int
+    ) -> list[np.ndarray]:
+        """Greedy+'s sets at other knobs: strong alternatives to weigh against its own."""
+        knobs = [(0.0, self._knobs.loss_weight), (2 * self._knobs.data_rate, 0.0), (0.0, 0.0)]
+        return [
+            self._greedy_plus.choose(job_id, candidates, count, DataGreedyParams(r, w)).picks
+            for r, w in knobs
+        ]
+
+    def _predicted(
+        self,
+        job_id: str,
+        candidates: Sequence[DeviceProfile],
+        sets: Sequence[np.ndarray],
+        greedy_utility: float,
+    ) -> _Predicted:
+        """Greedy+'s predicted cost of each set, over the deadline, as :func:`observed_cost`
+        will measure it: the slowest device's time scaled by the data ratio, plus what
+        the set adds to the variance of the selection counts."""
+        model, n = self._model, len(candidates)
+        seconds = model.predict(job_id, candidates).seconds(self._knobs.confidence_z)
+        counts = model.history.selection_counts(job_id, (c.device_id for c in candidates))
+        value = utility(model, job_id, candidates, self._knobs.loss_weight)
+        total = float(counts.sum())
+        ratio, cost = np.empty(len(sets)), np.empty(len(sets))
+        for j, s in enumerate(sets):
+            ratio[j] = (greedy_utility / max(float(value[s].sum()), 1e-12)) ** self._p.data_rate
+            added = float((2.0 * counts[s] + 1.0).sum()) / n
+            added -= ((total + len(s)) ** 2 - total**2) / n**2
+            pace = float(seconds[s].max())
+            cost[j] = self._cost.alpha * pace * ratio[j] + self._cost.beta * added
+        return _Predicted(cost / self._deadline_s, ratio)
 
     def observe(self, outcome: RoundOutcome) -> None:
         pending, self._pending = self._pending, None
-        if pending is None or pending[0] != outcome.job_id:
+        if pending is None or pending.job_id != outcome.job_id:
             return
-        _, x, ids = pending
-        cost = observed_cost(self._cost, outcome, self._deadline_s, self._model.history, ids)
-        self._x.append([float(v) for v in x])
-        self._y.append(cost / max(self._deadline_s, 1e-6))
+        cost = observed_cost(
+            self._cost,
+            outcome,
+            self._deadline_s,
+            self._model.history,
+            pending.candidate_ids,
+            data_ratio=pending.data_ratio,
+        )
+        self._x.append([float(v) for v in pending.features])
+        self._y.append(cost / self._deadline_s - pending.predicted)
         del self._x[: -self._p.window], self._y[: -self._p.window]
 
     def state(self) -> dict[str, Any]:
-        return {"x": self._x, "y": self._y} if self._y else {}
+        """The observations: set features and residuals (``kind`` tells them from the
+        costs an earlier version kept, which are dropped on restore)."""
+        return {"kind": "residual", "x": self._x, "y": self._y} if self._y else {}
 
     def restore(self, state: Mapping[str, Any]) -> None:
-        if not state:
+        if not state or state.get("kind") != "residual":
             return
         x, y = state.get("x", []), state.get("y", [])
         if len(x) != len(y) or any(len(row) != len(SET_FEATURES) for row in x):
             raise SpecError("bayesian selector: saved observations do not fit this selector")
         self._x = [[float(v) for v in row] for row in x]
         self._y = [float(v) for v in y]
+
+
+@dataclass(frozen=True, slots=True)
+class _Predicted:
+    total: np.ndarray  # per set: predicted cost over the deadline
+    data_ratio: np.ndarray  # per set: (U_greedy / U) ** rate
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    job_id: str
+    features: np.ndarray
+    candidate_ids: list[str]
+    predicted: float
+    data_ratio: float
+
+
+def _distinct(sets: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The sets in order, each device set once (order within a set ignored)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for s in sets:
+        key = tuple(sorted(int(i) for i in s))
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+def _cholesky(cov: np.ndarray) -> np.ndarray:
+    """A square root of a posterior covariance, with jitter where rounding broke it."""
+    jitter = 1e-9 * max(float(np.trace(cov)) / max(len(cov), 1), 1e-12)
+    for _ in range(6):
+        try:
+            return np.linalg.cholesky(cov + jitter * np.eye(len(cov)))
+        except np.linalg.LinAlgError:
+            jitter *= 100.0
+    values, vectors = np.linalg.eigh(cov)
+    return np.asarray(vectors * np.sqrt(np.clip(values, 0.0, None)))
 
 
 def candidate_sets(
@@ -203,33 +296,35 @@ def candidate_sets(
 
 
 class _NumpyGP:
-    """Exact GP, RBF kernel, fixed hyperparameters on standardized inputs and costs."""
+    """Exact GP, RBF kernel, fixed hyperparameters on standardized inputs; zero prior
+    mean (no residual until one is seen) with the observed residuals' spread as scale."""
 
-    def __init__(self, length_scale: float = 1.5, noise: float = 0.1) -> None:
+    def __init__(self, length_scale: float = 1.5, noise: float = 0.5) -> None:
         self._ell = length_scale
         self._noise = noise
 
-    def log_ei(self, x: np.ndarray, y: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    def posterior(
+        self, x: np.ndarray, y: np.ndarray, cand: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and covariance of the residual at ``cand``."""
         mu_x, sd_x = x.mean(axis=0), x.std(axis=0) + 1e-6
-        mu_y, sd_y = y.mean(), y.std() + 1e-9
-        xs, cs, ys = (x - mu_x) / sd_x, (cand - mu_x) / sd_x, (y - mu_y) / sd_y
+        scale = float(np.sqrt(np.mean(y * y))) + 1e-9
+        xs, cs, ys = (x - mu_x) / sd_x, (cand - mu_x) / sd_x, y / scale
 
         def k(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             d2 = ((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)
             return np.asarray(np.exp(-0.5 * d2 / self._ell**2))
 
         chol = np.linalg.cholesky(k(xs, xs) + self._noise * np.eye(len(xs)))
-        alpha = np.linalg.solve(chol.T, np.linalg.solve(chol, ys))
         k_star = k(cs, xs)
-        mean = k_star @ alpha
+        mean = k_star @ np.linalg.solve(chol.T, np.linalg.solve(chol, ys))
         v = np.linalg.solve(chol, k_star.T)
-        sd = np.sqrt(np.clip(1.0 - (v * v).sum(0), 1e-12, None))
-        # Minimizing cost: improvement over the best seen is best - f.
-        return np.asarray(log_expected_improvement((ys.min() - mean) / sd) + np.log(sd))
+        cov = k(cs, cs) - v.T @ v
+        return scale * mean, scale * scale * (cov + cov.T) / 2.0
 
 
 class _BotorchGP:
-    """BoTorch's SingleTaskGP and LogExpectedImprovement (the ``bayes`` extra)."""
+    """BoTorch's SingleTaskGP with fitted hyperparameters (the ``bayes`` extra)."""
 
     def __init__(self, refit_every: int) -> None:
         import botorch  # noqa: F401  (fail here, at job submission, when missing)
@@ -238,19 +333,18 @@ class _BotorchGP:
         self._hyper: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._fitted_at = 0
 
-    def log_ei(self, x: np.ndarray, y: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    def posterior(
+        self, x: np.ndarray, y: np.ndarray, cand: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         import torch
-        from botorch.acquisition.analytic import LogExpectedImprovement
         from botorch.fit import fit_gpytorch_mll
         from botorch.models import SingleTaskGP
         from botorch.models.transforms import Normalize, Standardize
         from gpytorch.mlls import ExactMarginalLogLikelihood  # type: ignore[import-untyped]
 
-        train_x = torch.from_numpy(x)
-        train_y = -torch.from_numpy(y).unsqueeze(-1)  # BoTorch maximizes
         gp = SingleTaskGP(
-            train_x,
-            train_y,
+            torch.from_numpy(x),
+            torch.from_numpy(y).unsqueeze(-1),
             input_transform=Normalize(x.shape[1]),
             outcome_transform=Standardize(1),
         )
@@ -262,12 +356,14 @@ class _BotorchGP:
             gp.covar_module.load_state_dict(self._hyper[0])
             gp.likelihood.load_state_dict(self._hyper[1])
         gp.eval()
-        acq = LogExpectedImprovement(gp, best_f=train_y.max())
         with torch.no_grad():
-            return np.asarray(acq(torch.from_numpy(cand).unsqueeze(1)).numpy())
+            post: Any = gp.posterior(torch.from_numpy(cand))
+            mean = post.mean.squeeze(-1).numpy()
+            cov = post.distribution.covariance_matrix.numpy()
+        return np.asarray(mean, dtype=np.float64), np.asarray(cov, dtype=np.float64)
 
 
-def _make_gp(params: BayesianParams) -> _NumpyGP | _BotorchGP:
+def make_gp(params: BayesianParams) -> _NumpyGP | _BotorchGP:
     backend = params.backend
     if backend == "numpy":
         return _NumpyGP()
@@ -280,23 +376,3 @@ def _make_gp(params: BayesianParams) -> _NumpyGP | _BotorchGP:
                 "(pip install 'flotilla[bayes]')"
             ) from None
         return _NumpyGP()
-
-
-def log_expected_improvement(z: np.ndarray) -> np.ndarray:
-    """``log(z * Phi(z) + phi(z))``, accurate far into the negative tail.
-
-    For z < -1 it is ``log phi(z) + log(1 + z * Phi(z) / phi(z))``, the ratio taken from the
-    scaled complementary error function, which loses only ~log10(z^2) digits.
-    """
-    from scipy.special import erfcx, log_ndtr  # type: ignore[import-untyped]
-
-    z = np.asarray(z, dtype=np.float64)
-    out = np.empty_like(z)
-    log_phi = -0.5 * z * z - 0.5 * math.log(2 * math.pi)
-    near = z > -1.0
-    zn = z[near]
-    out[near] = np.log(zn * np.exp(log_ndtr(zn)) + np.exp(log_phi[near]))
-    zf = z[~near]
-    mills = math.sqrt(math.pi / 2) * erfcx(-zf / math.sqrt(2))  # Phi(z) / phi(z)
-    out[~near] = log_phi[~near] + np.log1p(zf * mills)
-    return out

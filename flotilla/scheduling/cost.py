@@ -30,13 +30,15 @@ def observed_cost(
     deadline_s: float,
     history: FleetHistory,
     candidate_ids: Sequence[str],
+    data_ratio: float = 1.0,
 ) -> float:
     """A closed round's actual cost, for selectors that learn from it.
 
     T is its slowest delivered device, and each device that failed counts as a
     deadline-long wait spread over the round. F is what this round added to the variance
     of the candidates' selection counts: the job's total F reflects every earlier round,
-    which this round's choice can no longer change.
+    which this round's choice can no longer change. ``data_ratio`` scales the time as
+    greedy+ does (``(U_greedy / U) ** rate``: a round with more useful data may take longer).
     """
     times = list(outcome.durations.values())
     slowest = max(times) if times else deadline_s
@@ -45,7 +47,7 @@ def observed_cost(
     picked = set(outcome.selected)
     before = after - np.array([d in picked for d in candidate_ids], dtype=np.float64)
     added = selection_variance(after) - selection_variance(before)
-    return cost.alpha * (slowest + failed * deadline_s) + cost.beta * added
+    return cost.alpha * (slowest + failed * deadline_s) * data_ratio + cost.beta * added
 
 
 def selection_variance(counts: np.ndarray) -> float:

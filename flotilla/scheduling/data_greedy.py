@@ -48,19 +48,29 @@ class DataGreedyParams:
     loss_weight: float = 1.0
     #: Predicted times are taken at this many standard deviations above the median.
     confidence_z: float = 0.0
+    #: ``variance``: greedy's fairness, every selection above the mean costs. ``budget``:
+    #: a device may fall ``budget`` selections behind the average candidate for free; only
+    #: what it is owed beyond that counts, as greedy's variance would charge it.
+    fairness: str = "variance"
+    budget: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.data_rate >= 0 or not self.loss_weight >= 0:
             raise ValueError("data_rate and loss_weight must be >= 0")
+        if self.fairness not in ("variance", "budget") or not self.budget >= 0:
+            raise ValueError("fairness must be 'variance' or 'budget', budget >= 0")
 
 
 @dataclass(frozen=True, slots=True)
 class PaceChoice:
-    """One decision: the chosen devices (candidate positions) and the paces compared."""
+    """One decision: the chosen devices (candidate positions), and the pace and utility of
+    that set and of greedy's (the set that minimises ``alpha * P + beta * F``)."""
 
     picks: np.ndarray
     pace_s: float
     greedy_pace_s: float
+    utility: float
+    greedy_utility: float
 
 
 class DataGreedySelector(Stateless):
@@ -91,19 +101,31 @@ class DataGreedySelector(Stateless):
         seconds = model.predict(job_id, candidates).seconds(params.confidence_z)
         counts = model.history.selection_counts(job_id, (c.device_id for c in candidates))
         value = utility(model, job_id, candidates, params.loss_weight)
-        # Least picked first (greedy's fairness), then the most useful, then the fastest.
+        if params.fairness == "budget":
+            # Deficit queues: what each device is owed beyond its budget; owed most first.
+            owed = np.maximum(float(counts.mean()) - counts - params.budget, 0.0)
+            first, charge = -owed, -2.0 * owed
+        else:
+            # Greedy's: what a selection adds to the variance of the counts (the rest of
+            # the variance is the same for every set of k devices); least picked first.
+            first, charge = counts, 2.0 * counts + 1.0
+        # Fairness first, then the most useful, then the fastest.
         rank = np.empty(n, dtype=np.int64)
-        rank[np.lexsort((seconds, -value, counts))] = np.arange(n)
+        rank[np.lexsort((seconds, -value, first))] = np.arange(n)
         sets = _PaceSets(seconds, rank, k)
-        # Greedy's fairness cost of each set: what it adds to the variance of the counts
-        # (the rest of the variance is the same for every set of k devices).
-        fairness = self._cost.beta * sets.total(2.0 * counts + 1.0) / n
+        fairness = self._cost.beta * sets.total(charge) / n
         time_cost = self._cost.alpha * sets.paces
         base = int(np.argmin(time_cost + fairness))
         data = np.maximum(sets.total(value), 1e-12)
         per_progress = time_cost * (data[base] / data) ** params.data_rate
         best = int(np.argmin(per_progress + fairness))
-        return PaceChoice(sets.members(best), float(sets.paces[best]), float(sets.paces[base]))
+        return PaceChoice(
+            sets.members(best),
+            float(sets.paces[best]),
+            float(sets.paces[base]),
+            float(data[best]),
+            float(data[base]),
+        )
 
     def observe(self, outcome: RoundOutcome) -> None:
         """Learning lives in the duration model's history."""
