@@ -264,9 +264,12 @@ def run_key(scenario: str, selector: str, seed: int, overrides: Sequence[str]) -
 
 def selector_overrides(selector: str) -> list[str]:
     """``NAME-bBETA``: selector NAME with ``scheduling.beta = BETA``; ``NAME-seq``: NAME
-    with the arbiter deciding jobs in turn (``simulation.arbiter = sequential``)."""
+    with the arbiter deciding jobs in turn (``simulation.arbiter = sequential``);
+    ``NAME-budget``: NAME with fairness as a budget (greedy+'s ``fairness = budget``)."""
     if selector.endswith("-seq"):
         return [*selector_overrides(selector[:-4]), "simulation.arbiter=sequential"]
+    if selector.endswith("-budget"):
+        return [*selector_overrides(selector[:-7]), "scheduling.params.fairness=budget"]
     m = re.fullmatch(r"(.+)-b(\d+(?:\.\d+)?)", selector)
     if m:
         return [f"scheduling.selector={m.group(1)}", f"scheduling.beta={m.group(2)}"]
@@ -652,6 +655,8 @@ def markdown(report: Mapping[str, Any]) -> str:
             "vs frontier at own Jain", "hard-target speed-up vs greedy", "worst-class acc",
             "Jain", "repr.", "wasted dev-h", "avg JCT s", "CPU ms", "censored (hard)",
         ]  # fmt: skip
+        if not rows:
+            continue
         seeds = max(e["seeds"] for e in rows.values())
         out += [f"**{SCENARIOS.get(scenario, '')} {scenario}** ({seeds} seeds)", ""]
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -83,12 +83,20 @@ def test_frontier_is_interpolated_at_the_selectors_own_jain(bench: ModuleType) -
     assert bench.frontier_at(points, 0.05) == (pytest.approx(0.9), False)
 
 
-def test_selector_variants_set_beta(bench: ModuleType) -> None:
+def test_selector_variants_set_beta_the_arbiter_and_fairness(bench: ModuleType) -> None:
     assert bench.selector_overrides("greedy-b300") == [
         "scheduling.selector=greedy",
         "scheduling.beta=300",
     ]
     assert bench.selector_overrides("greedy") == ["scheduling.selector=greedy"]
+    assert bench.selector_overrides("greedy-seq") == [
+        "scheduling.selector=greedy",
+        "simulation.arbiter=sequential",
+    ]
+    assert bench.selector_overrides("greedy+-budget") == [
+        "scheduling.selector=greedy+",
+        "scheduling.params.fairness=budget",
+    ]
 
 
 def _run(bench: ModuleType, selector: str, seed: int, plan: object, rise: float) -> dict:
