@@ -33,7 +33,7 @@ import numpy as np
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import SpecError
 from flotilla.scheduling.cost import CostModel, observed_cost
-from flotilla.scheduling.data_greedy import DataGreedyParams, DataGreedySelector, utility
+from flotilla.scheduling.data_greedy import DataGreedyParams, DataGreedySelector, DecisionInputs
 from flotilla.scheduling.duration import DurationModel
 from flotilla.scheduling.features import DEVICE_FEATURES, device_features
 from flotilla.scheduling.history import RoundOutcome
@@ -133,11 +133,18 @@ class BayesianSelector:
         count = min(count, n)
         gen = np.random.default_rng(self._rng.getrandbits(64))
         rows = device_features(self._model, job_id, candidates, self._deadline_s).astype(np.float64)
-        choice = self._greedy_plus.choose(job_id, candidates, count, self._knobs)
+        knobs = self._knobs
+        inputs = self._greedy_plus.inputs(
+            job_id, candidates, (knobs.loss_weight, 0.0), knobs.confidence_z
+        )
+        variants = [knobs] + [
+            DataGreedyParams(rate, weight, knobs.confidence_z)
+            for rate, weight in ((0.0, knobs.loss_weight), (2 * knobs.data_rate, 0.0), (0.0, 0.0))
+        ]
+        choices = [self._greedy_plus.choose(job_id, candidates, count, v, inputs) for v in variants]
         drawn = candidate_sets(rows, count, self._p.candidates, gen)
-        sets = _distinct([choice.picks, *self._variants(job_id, candidates, count), *drawn])
-        sets = sets[: self._p.candidates]
-        predicted = self._predicted(job_id, candidates, sets, choice.greedy_utility)
+        sets = _distinct([*(c.picks for c in choices), *drawn])[: self._p.candidates]
+        predicted = self._predicted(inputs, sets, choices[0].greedy_utility)
         x = np.stack([set_features(rows[s]) for s in sets])
         pick = 0  # greedy+'s set
         y = np.array(self._y)
@@ -153,31 +160,15 @@ class BayesianSelector:
         )
         return [ids[int(i)] for i in sets[pick]]
 
-    def _variants(
-        self, job_id: str, candidates: Sequence[DeviceProfile], count: int
-    ) -> list[np.ndarray]:
-        """Greedy+'s sets at other knobs: strong alternatives to weigh against its own."""
-        knobs = [(0.0, self._knobs.loss_weight), (2 * self._knobs.data_rate, 0.0), (0.0, 0.0)]
-        return [
-            self._greedy_plus.choose(job_id, candidates, count, DataGreedyParams(r, w)).picks
-            for r, w in knobs
-        ]
-
     def _predicted(
-        self,
-        job_id: str,
-        candidates: Sequence[DeviceProfile],
-        sets: Sequence[np.ndarray],
-        greedy_utility: float,
+        self, inputs: DecisionInputs, sets: Sequence[np.ndarray], greedy_utility: float
     ) -> _Predicted:
         """Greedy+'s predicted cost of each set, over the deadline, as :func:`observed_cost`
         will measure it: the slowest device's time scaled by the data ratio, plus what
         the set adds to the variance of the selection counts."""
-        model, n = self._model, len(candidates)
-        seconds = model.predict(job_id, candidates).seconds(self._knobs.confidence_z)
-        counts = model.history.selection_counts(job_id, (c.device_id for c in candidates))
-        value = utility(model, job_id, candidates, self._knobs.loss_weight)
-        total = float(counts.sum())
+        seconds, counts = inputs.seconds, inputs.counts
+        value = inputs.utility[self._knobs.loss_weight]
+        n, total = len(counts), float(counts.sum())
         ratio, cost = np.empty(len(sets)), np.empty(len(sets))
         for j, s in enumerate(sets):
             ratio[j] = (greedy_utility / max(float(value[s].sum()), 1e-12)) ** self._p.data_rate

@@ -24,7 +24,7 @@ the pool's history.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +73,17 @@ class PaceChoice:
     greedy_utility: float
 
 
+@dataclass(frozen=True, slots=True)
+class DecisionInputs:
+    """What a decision reads from the time model and the history, read once for every
+    set of knobs a caller tries (predicting a fleet's times is most of a decision's CPU)."""
+
+    seconds: np.ndarray
+    counts: np.ndarray
+    #: Per loss weight: each candidate's utility (:func:`utility`).
+    utility: Mapping[float, np.ndarray]
+
+
 class DataGreedySelector(Stateless):
     """Greedy with data utility among devices that fit the pace (see the module doc)."""
 
@@ -87,20 +98,37 @@ class DataGreedySelector(Stateless):
         choice = self.choose(job_id, candidates, count, self.params)
         return [candidates[int(i)].device_id for i in choice.picks]
 
+    def inputs(
+        self,
+        job_id: str,
+        candidates: Sequence[DeviceProfile],
+        loss_weights: Iterable[float],
+        confidence_z: float = 0.0,
+    ) -> DecisionInputs:
+        """Predicted times (at ``confidence_z``), selection counts and utilities."""
+        model = self._model
+        return DecisionInputs(
+            model.predict(job_id, candidates).seconds(confidence_z),
+            model.history.selection_counts(job_id, (c.device_id for c in candidates)),
+            {w: utility(model, job_id, candidates, w) for w in set(loss_weights)},
+        )
+
     def choose(
         self,
         job_id: str,
         candidates: Sequence[DeviceProfile],
         count: int,
         params: DataGreedyParams,
+        inputs: DecisionInputs | None = None,
     ) -> PaceChoice:
-        """The decision with ``params`` (a tuner may pass other knobs than its own)."""
-        model = self._model
+        """The decision with ``params`` (a tuner may pass other knobs than its own), from
+        ``inputs`` when given (read at ``params.confidence_z``, with its loss weight)."""
+        if inputs is None:
+            inputs = self.inputs(job_id, candidates, (params.loss_weight,), params.confidence_z)
         n = len(candidates)
         k = min(count, n)
-        seconds = model.predict(job_id, candidates).seconds(params.confidence_z)
-        counts = model.history.selection_counts(job_id, (c.device_id for c in candidates))
-        value = utility(model, job_id, candidates, params.loss_weight)
+        seconds, counts = inputs.seconds, inputs.counts
+        value = inputs.utility[params.loss_weight]
         if params.fairness == "budget":
             # Deficit queues: what each device is owed beyond its budget; owed most first.
             owed = np.maximum(float(counts.mean()) - counts - params.budget, 0.0)

@@ -34,7 +34,7 @@ import numpy as np
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import SpecError
 from flotilla.scheduling.cost import CostModel, observed_cost
-from flotilla.scheduling.data_greedy import DataGreedyParams, DataGreedySelector, utility
+from flotilla.scheduling.data_greedy import DataGreedyParams, DataGreedySelector
 from flotilla.scheduling.duration import DurationModel
 from flotilla.scheduling.features import DEVICE_FEATURES, device_features, job_features
 from flotilla.scheduling.history import RoundOutcome
@@ -125,7 +125,9 @@ class RLSelector:
         n = len(candidates)
         if n == 0 or count <= 0:
             return []
-        choice = self._greedy_plus.choose(job_id, candidates, count, DataGreedyParams())
+        knobs = DataGreedyParams()
+        inputs = self._greedy_plus.inputs(job_id, candidates, (knobs.loss_weight,))
+        choice = self._greedy_plus.choose(job_id, candidates, count, knobs, inputs)
         marked = np.zeros(n, dtype=np.float32)
         marked[choice.picks] = 1.0
         features = self._inputs(job_id, candidates, count, marked)
@@ -136,10 +138,8 @@ class RLSelector:
         gumbel = -np.log(-np.log(gen.uniform(1e-12, 1.0, size=n)))
         order = np.argsort(-(scores + gumbel), kind="stable")[: min(count, n)]
         ids = [c.device_id for c in candidates]
-        value = utility(self._model, job_id, candidates, DataGreedyParams().loss_weight)
-        ratio = (choice.greedy_utility / max(float(value[order].sum()), 1e-12)) ** (
-            DataGreedyParams().data_rate
-        )
+        value = inputs.utility[knobs.loss_weight]
+        ratio = (choice.greedy_utility / max(float(value[order].sum()), 1e-12)) ** knobs.data_rate
         self._drawn = _Drawn(job_id, features, lead, order, ids, ratio)
         return [ids[int(i)] for i in order]
 
