@@ -54,7 +54,7 @@ SET_FEATURES = (
 
 @dataclass(frozen=True, slots=True)
 class BayesianParams:
-    """``bayesian``: GP surrogate of round cost over candidate device sets."""
+    """``bayesian``: greedy+ plus a GP of the residual of its predicted cost."""
 
     #: Candidate sets scored per round.
     candidates: int = 32
@@ -62,7 +62,7 @@ class BayesianParams:
     window: int = 128
     #: Rounds that take greedy+'s set before the GP is asked.
     warmup_rounds: int = 2
-    #: ``numpy`` (a fixed-hyperparameter GP: ~0.3 ms a decision), ``botorch`` (fitted
+    #: ``numpy`` (a fixed-hyperparameter GP: ~0.3 ms of a decision), ``botorch`` (fitted
     #: hyperparameters; the ``bayes`` extra; ~8 ms a decision plus ~130 ms a refit and
     #: ~1 s for the first) or ``auto`` (BoTorch when installed).
     backend: str = "numpy"
