@@ -13,6 +13,7 @@ import random
 import signal
 import sqlite3
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,10 @@ def test_killing_30_percent_of_devices_repeatedly_never_half_commits_a_round(
             fleet.start(len(victims), task=TASK)
         status = server.wait_for(job_id, timeout=300)
         assert status["state"] == "completed", status
+        # The last cycle's replacements are never killed: on a loaded machine the job may
+        # finish before they have enrolled, so give them the time to (bounded).
+        enrolled = wait_enrolled(server.state_dir / "flotilla.db", AGENTS + 1, timeout=60.0)
+        assert enrolled > AGENTS, "no replacement enrolled in 60 s"
     finally:
         fleet.stop()
         server.stop()
@@ -77,3 +82,14 @@ def test_killing_30_percent_of_devices_repeatedly_never_half_commits_a_round(
     assert all(QUORUM <= n <= PER_ROUND for n in per_round.values()), per_round
     # Replacements enrol afresh (one killed before it enrolled never shows up).
     assert AGENTS < devices <= AGENTS + killed
+
+
+def wait_enrolled(db_path: Path, at_least: int, timeout: float) -> int:
+    """Devices enrolled once ``at_least`` have, or at ``timeout``: what there are then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with closing(sqlite3.connect(db_path)) as db:
+            count = int(db.execute("SELECT COUNT(*) FROM devices").fetchone()[0])
+        if count >= at_least or time.monotonic() > deadline:
+            return count
+        time.sleep(0.5)
