@@ -105,3 +105,18 @@ def test_the_scheduling_scenarios_load(scenario: str) -> None:
         assert len(experiment.jobs) == 8 and experiment.population.clients == 300
         starts = [experiment.start_s(i) for i in range(8)]
         assert starts == sorted(starts) and starts[0] == 0.0 and starts[-1] <= 7200.0
+
+
+def test_a_population_smaller_than_a_round_is_refused_naming_both_fields(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It used to run to 30 simulated days at 0 %, waiting for devices that do not exist."""
+    path = experiment_file(tmp_path)  # 10 clients a round
+    with pytest.raises(SpecError, match=r"clients \(9.*job.clients_per_round \(10\)"):
+        load_experiment(path, clients=9)
+    assert load_experiment(path, clients=10).population.clients == 10
+    from flotilla.cli import main
+
+    assert main(["simulate", str(path), "--clients", "5", "--out", str(tmp_path / "out")]) != 0
+    assert "population.clients (5, --clients) is below" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

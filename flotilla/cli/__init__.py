@@ -105,7 +105,14 @@ def _simulate_parser(commands: Any) -> None:
         "simulate", help="run an experiment on thousands of virtual clients (simulated time)"
     )
     sim.add_argument("experiment", type=Path, help="experiment TOML: a job spec + [population]")
-    sim.add_argument("--clients", type=int, default=None, help="population size (overrides)")
+    sim.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help="virtual devices in the population (overrides population.clients); at least "
+        "every job's clients_per_round, of which each round selects clients_per_round x "
+        "over_selection and commits at min_quorum",
+    )
     sim.add_argument("--seed", type=int, default=None, help="simulation seed (overrides)")
     sim.add_argument("--out", type=Path, default=Path("sim-out"), help="output directory")
     sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

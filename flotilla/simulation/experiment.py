@@ -103,6 +103,13 @@ def experiment_from_dict(raw: Mapping[str, Any], source: str) -> Experiment:
     )
     jobs = job_specs_from_dict(raw, source)
     for spec in jobs:
+        if population.clients < spec.job.clients_per_round:
+            raise SpecError(
+                f"{source}: job {spec.job.name!r}: population.clients ({population.clients}, "
+                f"--clients) is below job.clients_per_round ({spec.job.clients_per_round}): "
+                "its rounds would wait for devices that do not exist; raise the population "
+                "or lower job.clients_per_round (and job.min_quorum)"
+            )
         if spec.aggregation.transport != "server":
             raise SpecError(
                 f"{source}: job {spec.job.name!r}: simulation runs aggregation.transport = "
