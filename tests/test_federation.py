@@ -260,15 +260,16 @@ def test_agent_killed_mid_upload_leaves_nothing(
     status = server.wait_for(job_id, timeout=180)
     assert status["state"] == "completed", status
     rows = participations(server)
-    assert rows and dying_device not in {r.device_id for r in rows}
+    assert rows and dying_device not in {r.device_id for r in rows}, (dying_device, rows)
     rounds = server.status(job_id, rounds=True)["rounds"]
-    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert [r["round"] for r in rounds] == [1, 2, 3], rounds
     blobs = [p for p in (server.state_dir / "blobs").rglob("*") if p.is_file()]
-    assert not [p for p in blobs if p.name.startswith(".tmp")]
+    assert not [p for p in blobs if p.name.startswith(".tmp")], blobs
     # Scheduling state is a small JSON blob per round; models are safetensors.
     models = [p for p in blobs if not p.read_bytes().startswith(b'{"history"')]
-    assert len(models) == 4, "round 0 and three committed checkpoints, no partial upload"
-    assert len(blobs) - len(models) == 3, "one scheduling state per committed round"
+    seen = (models, rounds)
+    assert len(models) == 4, f"round 0 and three committed checkpoints, no partial upload: {seen}"
+    assert len(blobs) - len(models) == 3, f"one scheduling state per committed round: {blobs}"
 
 
 def test_ctrl_c_leaves_cleanly_and_cancel_stops_a_job(
