@@ -303,7 +303,7 @@ def run_one(scenario: str, selector: str, seed: int, plan: Plan, workdir: Path) 
     experiment = load_experiment(path, overrides)
     out = workdir / f"{scenario}-{selector}-{seed}"
     started = time.perf_counter()
-    run_experiment(experiment, out, progress=False)
+    run_experiment(experiment, out, progress=False, plots=False)  # the run dir is dropped
     wall = time.perf_counter() - started
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     parts = [json.loads(line) for line in (out / "participation.jsonl").read_text().splitlines()]

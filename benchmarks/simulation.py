@@ -373,7 +373,7 @@ def run_flotilla(clients: int, timed_rounds: int, work: Workload, workdir: Path)
     path.write_text(experiment_text(clients, timed_rounds + 1, work))
     out = workdir / f"out-{clients}"
     start = time.perf_counter()
-    summary = run_experiment(load_experiment(path), out, progress=False)
+    summary = run_experiment(load_experiment(path), out, progress=False, plots=False)
     run_s = time.perf_counter() - start
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     if len(rows) != timed_rounds + 1:

@@ -120,3 +120,17 @@ def test_a_population_smaller_than_a_round_is_refused_naming_both_fields(
     assert main(["simulate", str(path), "--clients", "5", "--out", str(tmp_path / "out")]) != 0
     assert "population.clients (5, --clients) is below" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_no_plots_draws_no_charts_and_keeps_everything_else(tmp_path: Path) -> None:
+    from flotilla.cli import main
+
+    path = experiment_file(tmp_path)
+    out = tmp_path / "out"
+    args = ["simulate", str(path), "--set", "job.rounds=1", "--no-progress", "--out", str(out)]
+    assert main([*args, "--no-plots"]) == 0
+    assert not list(out.glob("*.png"))
+    assert [r["round"] for r in rows(out)] == [1]
+    assert (out / "summary.json").is_file() and (out / "models" / "small.safetensors").is_file()
+    assert main(args) == 0  # by default the charts are drawn
+    assert (out / "accuracy_vs_time.png").stat().st_size > 0

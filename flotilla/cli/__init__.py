@@ -122,6 +122,7 @@ def _simulate_parser(commands: Any) -> None:
     sim.add_argument("--backend", choices=("local", "ray"), default="local")
     sim.add_argument("--json", action="store_true", help="print summary.json to stdout")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sim.add_argument("--no-plots", action="store_true", help="no PNG charts at the end")
     sim.set_defaults(handler=_simulate, hushed=("flotilla.engine",))
 
 
@@ -137,6 +138,7 @@ def _simulate(args: argparse.Namespace) -> int:
         devices=devices,
         backend=args.backend,
         progress=not args.no_progress,
+        plots=not args.no_plots,
     )
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))

@@ -214,12 +214,14 @@ def run_experiment(
     devices: Sequence[str] = ("cpu",),
     backend: str = "local",
     progress: bool | Progress = True,
+    plots: bool = True,
 ) -> dict[str, Any]:
     """Run every job of ``experiment`` to the end; returns what ``summary.json`` holds.
 
     ``devices``: where clients train (one worker process per device when there are
     several); ``backend``: ``local`` or ``ray`` (workers as Ray actors); ``progress``:
-    True for a bar per job on stderr (a line per round where it is no terminal).
+    True for a bar per job on stderr (a line per round where it is no terminal);
+    ``plots``: draw the PNG charts at the end (seconds of matplotlib a study can skip).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     # A summary left by an earlier run in this directory would say this one has ended.
@@ -229,7 +231,7 @@ def run_experiment(
     try:
         with tempfile.TemporaryDirectory(prefix="flotilla-sim-") as scratch:
             summary = run_simulated(
-                _simulate(experiment, out_dir, Path(scratch), trainers, progress, wall_start)
+                _simulate(experiment, out_dir, Path(scratch), trainers, progress, wall_start, plots)
             )
     finally:
         for trainer in trainers.values():
@@ -248,6 +250,7 @@ async def _simulate(
     trainers: dict[str, ClientTrainer],
     progress: bool | Progress,
     wall_start: float,
+    plots: bool,
 ) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     pop = experiment.population
@@ -318,8 +321,9 @@ async def _simulate(
             "final_metrics": dict(job.metrics),
             "simulated_seconds": history[-1]["simulated_time"] if history else 0.0,
         }
-    series = [JobSeries(name, tuple(points)) for name, points in run_log.points.items()]
-    write_plots(series, out_dir, time_label="simulated time")
+    if plots:
+        series = [JobSeries(name, tuple(points)) for name, points in run_log.points.items()]
+        write_plots(series, out_dir, time_label="simulated time")
     finals = [j["final_metrics"] for j in summary_jobs.values()]
     overall = (
         {
