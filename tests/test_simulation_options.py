@@ -4,6 +4,11 @@ devices (``[population]``), and the digits task's worst-class accuracy in a run'
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +18,7 @@ from flotilla.core.jobfile import load_job_specs
 from flotilla.simulation import PopulationSection, load_experiment, run_experiment
 from flotilla.simulation.population import Slowdowns
 from tests.support.experiments import experiment_file, rows
+from tests.support.lifetime import bound
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -134,3 +140,27 @@ def test_no_plots_draws_no_charts_and_keeps_everything_else(tmp_path: Path) -> N
     assert (out / "summary.json").is_file() and (out / "models" / "small.safetensors").is_file()
     assert main(args) == 0  # by default the charts are drawn
     assert (out / "accuracy_vs_time.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_simulation_leaves_no_scratch_directory(tmp_path: Path, sig: int) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    cmd = [sys.executable, "-m", "flotilla", "simulate", str(experiment_file(tmp_path)),
+           "--out", str(tmp_path / "out"), "--no-progress", "--set", "job.rounds=500"]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    proc = subprocess.Popen(bound(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        while not metrics.is_file() or metrics.stat().st_size == 0:  # a round has ended
+            assert proc.poll() is None and time.monotonic() < deadline, "no round in 120 s"
+            time.sleep(0.1)
+        assert list(scratch.glob("flotilla-sim-*")), "the run keeps its scratch in TMPDIR"
+        proc.send_signal(sig)
+        proc.wait(60)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert proc.returncode == 130, proc.stderr.read() if proc.stderr else ""
+    assert not list(scratch.glob("flotilla-sim-*"))

@@ -132,14 +132,20 @@ def _simulate(args: argparse.Namespace) -> int:
 
     experiment = load_experiment(args.experiment, args.set, args.clients, args.seed)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    summary = run_experiment(
-        experiment,
-        args.out,
-        devices=devices,
-        backend=args.backend,
-        progress=not args.no_progress,
-        plots=not args.no_plots,
-    )
+    # SIGTERM stops a run as Ctrl-C does: the exception unwinds it, so its workers close
+    # and its scratch directory is removed (main maps it to exit code 130).
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        summary = run_experiment(
+            experiment,
+            args.out,
+            devices=devices,
+            backend=args.backend,
+            progress=not args.no_progress,
+            plots=not args.no_plots,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:
@@ -153,6 +159,10 @@ def _simulate(args: argparse.Namespace) -> int:
             )
         print(f"wall time {summary['wall_seconds']:.1f}s; results in {args.out}")
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _dashboard_parser(commands: Any) -> None:
