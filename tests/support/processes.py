@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
@@ -180,7 +181,12 @@ class AgentFleet:
     def start(
         self, count: int, task: str = DIGITS, extra: tuple[str, ...] = (), of: int | None = None
     ) -> None:
-        """``count`` agents on shards ``0..count-1`` of ``of`` (default ``count``)."""
+        """``count`` agents on shards ``0..count-1`` of ``of`` (default ``count``). Their
+        temporary files go under ``logs``: an agent killed with SIGKILL cannot remove its
+        own, and they go with the test's directory."""
+        scratch = self.logs / "agent-tmp"
+        scratch.mkdir(exist_ok=True)
+        env = {**os.environ, "TMPDIR": str(scratch)}
         for i in range(count):
             log = (self.logs / f"agent-{len(self.procs)}.log").open("ab")
             cmd = [
@@ -188,7 +194,9 @@ class AgentFleet:
                 "--server", self.server.address, f"--token={self.token}",
                 "--task", task, "--shard", f"{i}/{of or count}", *extra,
             ]  # fmt: skip
-            self.procs.append(subprocess.Popen(bound(cmd), stdout=log, stderr=subprocess.STDOUT))
+            self.procs.append(
+                subprocess.Popen(bound(cmd), stdout=log, stderr=subprocess.STDOUT, env=env)
+            )
 
     def alive(self) -> int:
         return sum(p.poll() is None for p in self.procs)
