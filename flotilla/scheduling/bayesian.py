@@ -32,8 +32,13 @@ import numpy as np
 
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import SpecError
-from flotilla.scheduling.cost import CostModel, observed_cost
-from flotilla.scheduling.data_greedy import DataGreedyParams, DataGreedySelector, DecisionInputs
+from flotilla.scheduling.cost import CostModel, observed_cost, variance_added
+from flotilla.scheduling.data_greedy import (
+    DataGreedyParams,
+    DataGreedySelector,
+    DecisionInputs,
+    data_ratio,
+)
 from flotilla.scheduling.duration import DurationModel
 from flotilla.scheduling.features import DEVICE_FEATURES, device_features
 from flotilla.scheduling.history import RoundOutcome
@@ -168,13 +173,15 @@ class BayesianSelector:
         the set adds to the variance of the selection counts."""
         seconds, counts = inputs.seconds, inputs.counts
         value = inputs.utility[self._knobs.loss_weight]
-        n, total = len(counts), float(counts.sum())
-        ratio, cost = np.empty(len(sets)), np.empty(len(sets))
+        ratio = data_ratio(
+            np.array([value[s].sum() for s in sets]), greedy_utility, self._p.data_rate
+        )
+        cost = np.empty(len(sets))
         for j, s in enumerate(sets):
-            ratio[j] = (greedy_utility / max(float(value[s].sum()), 1e-12)) ** self._p.data_rate
-            added = float((2.0 * counts[s] + 1.0).sum()) / n
-            added -= ((total + len(s)) ** 2 - total**2) / n**2
+            picked = np.zeros(len(counts))
+            picked[s] = 1.0
             pace = float(seconds[s].max())
+            added = variance_added(counts, picked)
             cost[j] = self._cost.alpha * pace * ratio[j] + self._cost.beta * added
         return _Predicted(cost / self._deadline_s, ratio)
 

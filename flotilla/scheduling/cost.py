@@ -45,9 +45,15 @@ def observed_cost(
     failed = len(outcome.failures) / max(len(outcome.selected) or len(times), 1)
     after = history.selection_counts(outcome.job_id, candidate_ids)
     picked = set(outcome.selected)
-    before = after - np.array([d in picked for d in candidate_ids], dtype=np.float64)
-    added = selection_variance(after) - selection_variance(before)
+    mask = np.array([d in picked for d in candidate_ids], dtype=np.float64)
+    added = variance_added(after - mask, mask)
     return cost.alpha * (slowest + failed * deadline_s) * data_ratio + cost.beta * added
+
+
+def variance_added(before: np.ndarray, picked: np.ndarray) -> float:
+    """What one more selection of the ``picked`` devices (a 0/1 mask over ``before``) adds
+    to the variance of the selection counts ``before``: a round's F."""
+    return selection_variance(before + picked) - selection_variance(before)
 
 
 def selection_variance(counts: np.ndarray) -> float:

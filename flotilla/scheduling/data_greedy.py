@@ -63,13 +63,12 @@ class DataGreedyParams:
 
 @dataclass(frozen=True, slots=True)
 class PaceChoice:
-    """One decision: the chosen devices (candidate positions), and the pace and utility of
-    that set and of greedy's (the set that minimises ``alpha * P + beta * F``)."""
+    """One decision: the chosen devices (candidate positions), its pace, and the pace and
+    utility of greedy's set (the one that minimises ``alpha * P + beta * F``)."""
 
     picks: np.ndarray
     pace_s: float
     greedy_pace_s: float
-    utility: float
     greedy_utility: float
 
 
@@ -144,19 +143,23 @@ class DataGreedySelector(Stateless):
         fairness = self._cost.beta * sets.total(charge) / n
         time_cost = self._cost.alpha * sets.paces
         base = int(np.argmin(time_cost + fairness))
-        data = np.maximum(sets.total(value), 1e-12)
-        per_progress = time_cost * (data[base] / data) ** params.data_rate
+        data = sets.total(value)
+        per_progress = time_cost * data_ratio(data, float(data[base]), params.data_rate)
         best = int(np.argmin(per_progress + fairness))
         return PaceChoice(
-            sets.members(best),
-            float(sets.paces[best]),
-            float(sets.paces[base]),
-            float(data[best]),
-            float(data[base]),
+            sets.members(best), float(sets.paces[best]), float(sets.paces[base]), float(data[base])
         )
 
     def observe(self, outcome: RoundOutcome) -> None:
         """Learning lives in the duration model's history."""
+
+
+def data_ratio(set_utility: np.ndarray | float, greedy_utility: float, rate: float) -> np.ndarray:
+    """``(U_greedy / U) ** rate``: the factor by which a round's time counts less for the
+    useful data it trains on (1 for greedy's own set, and for any set at ``rate = 0``)."""
+    return np.asarray(
+        (max(greedy_utility, 1e-12) / np.maximum(set_utility, 1e-12)) ** rate, dtype=np.float64
+    )
 
 
 def utility(

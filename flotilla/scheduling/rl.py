@@ -34,7 +34,7 @@ import numpy as np
 from flotilla.core.device import DeviceProfile
 from flotilla.core.errors import SpecError
 from flotilla.scheduling.cost import CostModel, observed_cost
-from flotilla.scheduling.data_greedy import DataGreedyParams, DataGreedySelector
+from flotilla.scheduling.data_greedy import DataGreedyParams, DataGreedySelector, data_ratio
 from flotilla.scheduling.duration import DurationModel
 from flotilla.scheduling.features import DEVICE_FEATURES, device_features, job_features
 from flotilla.scheduling.history import RoundOutcome
@@ -138,8 +138,8 @@ class RLSelector:
         gumbel = -np.log(-np.log(gen.uniform(1e-12, 1.0, size=n)))
         order = np.argsort(-(scores + gumbel), kind="stable")[: min(count, n)]
         ids = [c.device_id for c in candidates]
-        value = inputs.utility[knobs.loss_weight]
-        ratio = (choice.greedy_utility / max(float(value[order].sum()), 1e-12)) ** knobs.data_rate
+        drawn_utility = float(inputs.utility[knobs.loss_weight][order].sum())
+        ratio = float(data_ratio(drawn_utility, choice.greedy_utility, knobs.data_rate))
         self._drawn = _Drawn(job_id, features, lead, order, ids, ratio)
         return [ids[int(i)] for i in order]
 
