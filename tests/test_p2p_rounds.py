@@ -320,17 +320,19 @@ def _processes_matching(pattern: str) -> list[int]:
     return found
 
 
-def _wait_for_line(path: Path, pattern: str, timeout: float) -> None:
+def _wait_for_line(path: Path, pattern: str, timeout: float) -> re.Match[str]:
     deadline = time.monotonic() + timeout
+    text = ""
     while time.monotonic() < deadline:
-        if path.exists() and re.search(pattern, path.read_text(errors="replace")):
-            return
+        text = path.read_text(errors="replace") if path.exists() else ""
+        if found := re.search(pattern, text):
+            return found
         time.sleep(0.05)
-    raise AssertionError(f"{path.name} never logged {pattern!r}")
+    raise AssertionError(f"{path.name} never logged {pattern!r}; it ends:\n{text[-3000:]}")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(540)
 def test_p2p_digits_job_commits_the_models_agents_agreed_on_despite_a_kill(
     server: ServerProcess, fleet: AgentFleet, digits_spec: Path, tmp_path: Path
 ) -> None:
@@ -341,8 +343,11 @@ def test_p2p_digits_job_commits_the_models_agents_agreed_on_despite_a_kill(
         "job.round_deadline_s=40", "aggregation.matchmaking_s=4",
     )  # fmt: skip
     victim_log = tmp_path / "agent-2.log"
-    _wait_for_line(victim_log, r"round 3 of \S+: averaging", timeout=180)
-    fleet.procs[2].send_signal(signal.SIGKILL)  # joining its group: mid-round
+    # Killed while joining its group (mid-round) in round 3 or later, whichever it is in
+    # first: on a loaded machine an agent may miss an early round's deadline.
+    averaging = _wait_for_line(victim_log, r"round ([3-9]|1[01]) of \S+: averaging", 200)
+    fleet.procs[2].send_signal(signal.SIGKILL)
+    killed_in = int(averaging.group(1))
     victim = re.search(r"enrolled as (\S+)", victim_log.read_text())
     assert victim is not None
 
@@ -359,7 +364,7 @@ def test_p2p_digits_job_commits_the_models_agents_agreed_on_despite_a_kill(
         assert r["metrics"]["p2p_reports"] >= 3
         assert r["metrics"]["p2p_contributors"] == len(r["participants"]) >= 3
         assert r["committed_at"] - r["started_at"] < 40  # the kill blocked no round
-    after = [r for r in rounds if r["round"] >= 4]
+    after = [r for r in rounds if r["round"] > killed_in]
     assert all(victim.group(1) not in r["participants"] for r in after)
 
     # The killed agent's hivemind workers (forked: same command line) died with it.

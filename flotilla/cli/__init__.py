@@ -132,9 +132,12 @@ def _simulate(args: argparse.Namespace) -> int:
 
     experiment = load_experiment(args.experiment, args.set, args.clients, args.seed)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    # SIGTERM stops a run as Ctrl-C does: the exception unwinds it, so its workers close
-    # and its scratch directory is removed (main maps it to exit code 130).
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM and SIGINT both raise KeyboardInterrupt wherever the run is: the exception
+    # unwinds it, so its workers close and its scratch directory is removed (main maps it
+    # to exit code 130). SIGINT needs it too: left to asyncio.run, a SIGINT that lands
+    # while the engine's loop runs only cancels the main task, which ends the run cleanly
+    # with exit code 0.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         summary = run_experiment(
             experiment,
@@ -145,7 +148,8 @@ def _simulate(args: argparse.Namespace) -> int:
             plots=not args.no_plots,
         )
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:
