@@ -29,6 +29,8 @@ from flotilla.simulation import (
     run_simulated,
     sessions,
 )
+from flotilla.tasks import Shard
+from flotilla.tasks.digits import DigitsTask
 from tests.support.experiments import experiment_file, rows
 from tests.support.inproc import InProcessFederation
 from tests.support.lifetime import bound
@@ -236,12 +238,19 @@ def test_augmented_digits_give_each_client_its_own_realistic_shard() -> None:
         task.load_shard(Shard(0, 10), DataSection(params={"augmnt": True}))
 
 
-def test_batched_training_equals_the_per_client_loop() -> None:
-    """Unequal shards, two epochs, momentum, weight decay and a FedProx term."""
-    from flotilla.tasks import model_state
-    from flotilla.tasks.digits import DigitsTask
+class InOrderDigits(DigitsTask):
+    """The digits task taking each epoch's batches in the shard's own order."""
 
-    task = DigitsTask()
+    shuffle_batches = False
+
+
+@pytest.mark.parametrize("task_class", [DigitsTask, InOrderDigits])
+def test_batched_training_equals_the_per_client_loop(task_class: type[DigitsTask]) -> None:
+    """Unequal shards, two epochs, momentum, weight decay and a FedProx term; batches
+    shuffled or in order, as the task takes them."""
+    from flotilla.tasks import model_state
+
+    task = task_class()
     data = DataSection(params={"augment": True, "min_samples": 5, "max_samples": 90})
     train = TrainSection(
         local_epochs=2,
@@ -266,6 +275,61 @@ def test_batched_training_equals_the_per_client_loop() -> None:
             np.testing.assert_allclose(b.delta[name], a.delta[name], rtol=0, atol=1e-5)
         for key in ("train_loss", "train_accuracy", "accuracy", "loss", "num_samples"):
             assert b.metrics[key] == pytest.approx(a.metrics[key], abs=1e-5), key
+    other = InOrderDigits if task_class is DigitsTask else DigitsTask
+    elsewise = LoopTrainer(other(), ShardCache(other(), 500)).train(model, clients, train, data, 11)
+    assert not np.allclose(elsewise[0].delta["net.0.weight"], loop[0].delta["net.0.weight"])
+
+
+@pytest.mark.parametrize(
+    "train",
+    [
+        TrainSection(learning_rate=0.1, momentum=0.0),  # Flower's workload: plain SGD
+        TrainSection(local_epochs=2, weight_decay=1e-3, proximal_mu=0.05),
+    ],
+    ids=["plain-sgd", "momentum-decay-prox"],
+)
+def test_batched_training_equals_the_loop_on_flowers_mlp_task(train: TrainSection) -> None:
+    """The task of docs/simulation.md#bring-your-own-task, as a user wrote it."""
+    from flotilla.tasks import importable_from, load_task, model_state
+
+    with importable_from([ROOT / "examples" / "own_task"]):
+        task = load_task("flower_mlp:FlowerMLP")
+    shards = ShardCache(task, 1000)
+    clients = list(range(0, 1000, 97))
+    model = model_state(task.build_model(1))
+    loop = LoopTrainer(task, shards).train(model, clients, train, DataSection(), seed=4)
+    batched = BatchedTrainer(task, shards).train(model, clients, train, DataSection(), seed=4)
+    for a, b in zip(loop, batched, strict=True):
+        assert a.num_samples == b.num_samples == 50
+        assert set(a.metrics) == set(b.metrics) == {"train_loss", "train_accuracy"}
+        for key in a.metrics:
+            assert b.metrics[key] == pytest.approx(a.metrics[key], abs=1e-5), key
+        for name in a.delta:
+            np.testing.assert_allclose(b.delta[name], a.delta[name], rtol=0, atol=1e-5)
+
+
+def test_clients_without_validation_examples_train_alike_and_report_no_local_scores() -> None:
+    from flotilla.tasks import model_state
+
+    task = DigitsTask()
+    params = {"augment": True, "min_samples": 5, "max_samples": 90}
+    whole = DataSection(params={**params, "val_fraction": 0.0})
+    shards = ShardCache(task, 500)
+    clients = list(range(0, 500, 50))
+    for c in clients:
+        kept, split = shards.get(whole, c), shards.get(DataSection(params=params), c)
+        assert kept.num_val == 0 and kept.num_train == split.num_train + split.num_val
+        assert shards.num_train(whole, c) == kept.num_train
+    train = TrainSection(batch_size=16)
+    model = model_state(task.build_model(3))
+    loop = LoopTrainer(task, shards).train(model, clients, train, whole, seed=11)
+    batched = BatchedTrainer(task, shards).train(model, clients, train, whole, seed=11)
+    for a, b in zip(loop, batched, strict=True):
+        assert set(a.metrics) == set(b.metrics) == {"train_loss", "train_accuracy"}
+        for name in a.delta:
+            np.testing.assert_allclose(b.delta[name], a.delta[name], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="val_fraction"):
+        task.load_shard(Shard(0, 10), DataSection(params={"val_fraction": 1.0}))
 
 
 def test_client_state_lives_in_a_sparse_memory_mapped_file(tmp_path: Path) -> None:
@@ -493,6 +557,8 @@ RAY_CHECK = """
 import json, sys
 import numpy as np, psutil
 from flotilla.core.spec import DataSection, TrainSection
+from flotilla.tasks import Shard
+from flotilla.tasks.digits import DigitsTask
 from flotilla.simulation.ray_workers import RayTrainer
 from flotilla.simulation.training import BatchedTrainer, ShardCache
 from flotilla.tasks import load_task, model_state

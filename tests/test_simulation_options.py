@@ -147,7 +147,8 @@ def test_a_stopped_simulation_leaves_no_scratch_directory(tmp_path: Path, sig: i
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     cmd = [sys.executable, "-m", "flotilla", "simulate", str(experiment_file(tmp_path)),
-           "--out", str(tmp_path / "out"), "--no-progress", "--set", "job.rounds=100000"]  # fmt: skip
+           "--out", str(tmp_path / "out"), "--no-progress",
+           "--set", "job.rounds=100000"]  # fmt: skip
     env = {**os.environ, "TMPDIR": str(scratch)}
     proc = subprocess.Popen(bound(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -164,3 +165,85 @@ def test_a_stopped_simulation_leaves_no_scratch_directory(tmp_path: Path, sig: i
         proc.wait(10)
     assert proc.returncode == 130, proc.communicate(timeout=10)
     assert not list(scratch.glob("flotilla-sim-*"))
+
+
+# --- a researcher's own task and what a run reports -----------------------------------------
+
+
+def test_server_evaluation_can_be_off_or_sparse_and_devices_numbers_always_reach_the_rows(
+    tmp_path: Path,
+) -> None:
+    from flotilla.cli import main
+
+    path = experiment_file(tmp_path)
+    base = ["simulate", str(path), "--no-progress", "--no-plots", "--set", "job.rounds=3"]
+    assert main([*base, "--out", str(tmp_path / "on")]) == 0
+    assert main([*base, "--out", str(tmp_path / "off"), "--set", "evaluation.server=false"]) == 0
+    assert main([*base, "--out", str(tmp_path / "odd"), "--set", "evaluation.every=2"]) == 0
+    devices = ("train_loss", "train_accuracy", "client_accuracy", "client_loss")
+    for run in ("on", "off", "odd"):
+        for row in rows(tmp_path / run):
+            assert all(math.isfinite(row[k]) for k in devices), (run, row)
+            assert row["train_loss"] > 0
+    on, off, odd = (rows(tmp_path / run) for run in ("on", "off", "odd"))
+    # On: the held-out split scores each model, which the devices' numbers are not.
+    assert all("worst_class_accuracy" in r and r["accuracy"] != r["client_accuracy"] for r in on)
+    # Off: the round's accuracy and loss are the devices' own, and nothing else scores it.
+    assert all(r["accuracy"] == r["client_accuracy"] for r in off)
+    assert all(r["loss"] == r["client_loss"] and "worst_class_accuracy" not in r for r in off)
+    # Every 2 rounds (and the last): the same models, scored on rounds 2 and 3 only.
+    assert ["accuracy" in r for r in odd] == [False, True, True]
+    assert [r["accuracy"] for r in odd[1:]] == [r["accuracy"] for r in on[1:]]
+    with pytest.raises(SpecError, match=r"evaluation\.every"):
+        load_experiment(path, ["evaluation.every=0"])
+
+
+TASK_BESIDE_THE_FILE = """
+from flotilla.tasks.digits import DigitsTask
+
+
+class SmallDigits(DigitsTask):
+    hidden = (32,)
+"""
+
+
+@pytest.mark.parametrize("devices", ["cpu", "cpu,cpu"])
+def test_a_task_beside_the_experiment_file_imports_without_pythonpath(
+    tmp_path: Path, devices: str
+) -> None:
+    """Wherever the command runs from, and in worker processes too (``cpu,cpu``)."""
+    project = tmp_path / "study"
+    project.mkdir()
+    (project / "my_digits.py").write_text(TASK_BESIDE_THE_FILE)
+    path = experiment_file(project)
+    text = path.read_text().replace("[job]\n", '[job]\ntask = "my_digits:SmallDigits"\n', 1)
+    path.write_text(text)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cmd = [sys.executable, "-m", "flotilla", "simulate", str(path), "--out", str(elsewhere / "o"),
+           "--no-progress", "--no-plots", "--set", "job.rounds=1",
+           "--devices", devices]  # fmt: skip
+    done = subprocess.run(bound(cmd), cwd=elsewhere, env=env, capture_output=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["round"] for r in rows(elsewhere / "o")] == [1]
+    from flotilla.tasks import importable_from
+
+    with importable_from([project]):
+        assert sys.path[0] == str(project)
+    assert str(project) not in sys.path, "the import path is restored after a run"
+
+
+def test_the_own_task_example_of_the_docs_runs_from_any_directory(tmp_path: Path) -> None:
+    """docs/simulation.md#bring-your-own-task: Flower's workload beside its experiment."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "own_task" / "flower-mlp.toml"
+    cmd = [sys.executable, "-m", "flotilla", "simulate", str(example), "--out", "o",
+           "--no-progress", "--no-plots", "--clients", "40",
+           "--set", "job.rounds=2", "--set", "job.clients_per_round=40",
+           "--set", "job.min_quorum=40"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(bound(cmd), cwd=tmp_path, env=env, capture_output=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = rows(tmp_path / "o")
+    assert [(r["round"], r["updates"]) for r in got] == [(1, 40.0), (2, 40.0)]
+    assert all(r["train_loss"] > 0 and "client_accuracy" not in r for r in got)

@@ -215,6 +215,22 @@ class PrivacySection:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class EvaluationSection:
+    """How each committed model is scored."""
+
+    #: Score the model on the task's held-out split where the round commits (the server,
+    #: or the simulator). Off, or when the task cannot be imported there, a round's
+    #: ``accuracy`` and ``loss`` are the devices' own validation, weighted by samples.
+    server: bool = True
+    #: Score on the server every this many rounds (and always the last round).
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise SpecError(f"evaluation.every must be an integer >= 1, got {self.every!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class JobSpec:
     """A whole federated job, as submitted."""
 
@@ -228,6 +244,8 @@ class JobSpec:
     eligibility: EligibilitySection = dataclasses.field(default_factory=EligibilitySection)
     #: Secure aggregation (SecAgg+) and its parameters.
     privacy: PrivacySection = dataclasses.field(default_factory=PrivacySection)
+    #: Server-side scoring of each committed model.
+    evaluation: EvaluationSection = dataclasses.field(default_factory=EvaluationSection)
 
     def __post_init__(self) -> None:
         _check_job(self)

@@ -37,6 +37,7 @@ from flotilla.core.tensors import (
     encode_state_parts,
     state_spec,
 )
+from flotilla.core.update import LOSS_METRIC
 from flotilla.core.work import WorkOrder
 from flotilla.engine.backend import Delivered, Failed, Reported, RoundResult, TrainTask
 from flotilla.engine.broadcast import Broadcast, Broadcaster
@@ -79,13 +80,14 @@ class JobRunner:
         evaluator: Evaluator | None,
         spool_dir: Path | None = None,
     ) -> None:
-        """``evaluator``: held-out evaluation of each new model (None: the devices'
-        metrics); ``spool_dir``: where robust strategies spool a round's updates."""
+        """``evaluator``: held-out evaluation of each new model (None, or the spec's
+        ``evaluation.server`` off: the devices' metrics); ``spool_dir``: where robust
+        strategies spool a round's updates."""
         self._job = job
         self._spec = spec
         self.services = services
         self.selector = selector
-        self._evaluator = evaluator
+        self._evaluator = evaluator if spec.evaluation.server else None
         self._spool_dir = spool_dir
         self._plan = JobPlan.from_spec(spec)
         self._mode = round_mode(self._plan, services.keys)
@@ -351,7 +353,7 @@ class JobRunner:
         if expect_sha256 and sha != expect_sha256:
             raise UpdateRejected(f"checkpoint {sha[:12]} is not the agreed {expect_sha256[:12]}")
         sched_sha = await asyncio.to_thread(self.services.blobs.put, self._scheduling_state())
-        metrics.update(await self._metrics(new_model, tally))
+        metrics.update(await self._metrics(new_model, tally, round_no))
         del new_model
         participants = _per_device(tally.accepted, round_no)
         commit = RoundCommit(
@@ -406,17 +408,24 @@ class JobRunner:
         sha = self._job.checkpoint_sha256
         self._broadcast = await asyncio.to_thread(self._broadcaster.prepare, sha)
 
-    async def _metrics(self, model: ModelState, tally: RoundTally) -> dict[str, float]:
+    async def _metrics(
+        self, model: ModelState, tally: RoundTally, round_no: int
+    ) -> dict[str, float]:
+        """The round's counts and traffic, the devices' own numbers (sample-weighted), and
+        the held-out scores on the rounds the server evaluates. Without server evaluation,
+        ``accuracy`` and ``loss`` are the devices' (``client_accuracy``, ``client_loss``)."""
         metrics: dict[str, float] = {"updates": float(len(tally.accepted))}
         metrics.update(self._traffic(tally))
-        if self._evaluator is not None:
-            metrics.update(await asyncio.to_thread(self._evaluator, model))
+        reported = _device_means(tally.accepted)
+        metrics.update(reported)
+        if self._evaluator is None:
+            for name in ("accuracy", "loss"):
+                if f"client_{name}" in reported:
+                    metrics[name] = reported[f"client_{name}"]
             return metrics
-        total = sum(p.num_samples for p in tally.accepted) or 1
-        for name in ("accuracy", "loss"):
-            vals = [(p.metrics[name], p.num_samples) for p in tally.accepted if name in p.metrics]
-            if vals:
-                metrics[name] = sum(v * n for v, n in vals) / total
+        every = self._spec.evaluation.every
+        if round_no % every == 0 or round_no >= self._job.rounds_total:
+            metrics.update(await asyncio.to_thread(self._evaluator, model))
         return metrics
 
     def _traffic(self, tally: RoundTally) -> dict[str, float]:
@@ -427,6 +436,28 @@ class JobRunner:
             return {}
         raw = 4.0 * sum(math.prod(s.shape) for s in self._layout) * len(tally.accepted)
         return {"bytes_up": up, "bytes_down": down, "compression_ratio": raw / up}
+
+
+#: What devices report that a round keeps, as the sample-weighted mean over its updates:
+#: their training loss and accuracy, and their own validation (``accuracy`` and ``loss``
+#: on the device's held-back examples, kept as ``client_accuracy`` and ``client_loss``).
+DEVICE_METRICS = {
+    LOSS_METRIC: LOSS_METRIC,
+    "train_accuracy": "train_accuracy",
+    "accuracy": "client_accuracy",
+    "loss": "client_loss",
+}
+
+
+def _device_means(accepted: Sequence[ParticipationRecord]) -> dict[str, float]:
+    """Each of :data:`DEVICE_METRICS` the updates report, weighted by their samples."""
+    means: dict[str, float] = {}
+    for reported, kept in DEVICE_METRICS.items():
+        vals = [(p.metrics[reported], p.num_samples) for p in accepted if reported in p.metrics]
+        weight = sum(n for _, n in vals)
+        if vals and weight > 0:
+            means[kept] = sum(v * n for v, n in vals) / weight
+    return means
 
 
 def _per_device(

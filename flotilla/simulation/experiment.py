@@ -17,6 +17,7 @@ job aggregates on the server) is checked here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,9 @@ class Experiment:
     #: Per job (as ``jobs``): when it starts on the virtual clock, from a ``[[jobs]]``
     #: entry's ``start_s``, so arrivals over time can be studied; empty: all at 0.
     starts: tuple[float, ...] = ()
+    #: Where its tasks' modules are looked for first: the experiment file's own directory,
+    #: so a task written beside the file needs no package or ``PYTHONPATH``.
+    task_dirs: tuple[Path, ...] = ()
 
     def start_s(self, index: int) -> float:
         """When job ``index`` starts, in simulated seconds."""
@@ -91,7 +95,8 @@ def load_experiment(
         raw.setdefault("population", {})["clients"] = clients
     if seed is not None:
         raw.setdefault("simulation", {})["seed"] = seed
-    return experiment_from_dict(raw, str(path))
+    experiment = experiment_from_dict(raw, str(path))
+    return dataclasses.replace(experiment, task_dirs=(path.resolve().parent,))
 
 
 def experiment_from_dict(raw: Mapping[str, Any], source: str) -> Experiment:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from flotilla.core.errors import FlotillaError
@@ -26,9 +27,14 @@ SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 class _TrainerActor:
-    def __init__(self, task_name: str, count: int, device: str, batched: bool | None) -> None:
+    def __init__(
+        self, task_name: str, count: int, device: str, batched: bool | None, dirs: list[str]
+    ) -> None:
+        import sys
+
         from flotilla.tasks import load_task
 
+        sys.path[:0] = [d for d in dirs if d not in sys.path]  # this actor's process only
         task = load_task(task_name)
         self._trainer = make_trainer(task, ShardCache(task, count), device, batched)
 
@@ -90,8 +96,10 @@ class RayTrainer:
         shards: ShardCache,
         devices: Sequence[str],
         batched: bool | None = None,
+        task_dirs: Sequence[Path] = (),
         timeouts: Timeouts | None = None,
     ) -> None:
+        """``task_dirs``: searched first for the task's module in each actor's process."""
         if not devices:
             raise FlotillaError("Ray training needs at least one device")
         self.shards = shards
@@ -105,7 +113,11 @@ class RayTrainer:
             gpus = 1 if device.startswith("cuda") else 0
             self._actors.append(
                 actor.options(num_cpus=1, num_gpus=gpus).remote(
-                    task_name, shards.count, "cuda:0" if gpus else device, batched
+                    task_name,
+                    shards.count,
+                    "cuda:0" if gpus else device,
+                    batched,
+                    [str(d) for d in task_dirs],
                 )
             )
         try:

@@ -49,6 +49,7 @@ from flotilla.simulation.fleet import Fleet
 from flotilla.simulation.population import draw_devices
 from flotilla.simulation.training import ClientTrainer, ShardCache, make_trainer
 from flotilla.simulation.workers import WorkerPoolTrainer
+from flotilla.tasks.base import importable_from
 from flotilla.tasks.runtime import LocalTasks
 
 log = logging.getLogger(__name__)
@@ -227,17 +228,20 @@ def run_experiment(
     # A summary left by an earlier run in this directory would say this one has ended.
     (out_dir / "summary.json").unlink(missing_ok=True)
     wall_start = time.perf_counter()
-    trainers = _trainers(experiment, list(devices), backend)
-    try:
-        with tempfile.TemporaryDirectory(prefix="flotilla-sim-") as scratch:
-            summary = run_simulated(
-                _simulate(experiment, out_dir, Path(scratch), trainers, progress, wall_start, plots)
-            )
-    finally:
-        for trainer in trainers.values():
-            close = getattr(trainer, "close", None)
-            if close is not None:
-                close()
+    with importable_from(experiment.task_dirs):
+        trainers = _trainers(experiment, list(devices), backend)
+        try:
+            with tempfile.TemporaryDirectory(prefix="flotilla-sim-") as scratch:
+                summary = run_simulated(
+                    _simulate(
+                        experiment, out_dir, Path(scratch), trainers, progress, wall_start, plots
+                    )
+                )
+        finally:
+            for trainer in trainers.values():
+                close = getattr(trainer, "close", None)
+                if close is not None:
+                    close()
     summary["wall_seconds"] = time.perf_counter() - wall_start
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
@@ -417,7 +421,7 @@ def _trainers(experiment: Experiment, devices: list[str], backend: str) -> dict[
             if backend == "ray":
                 from flotilla.simulation.ray_workers import RayTrainer
 
-                trainers[name] = RayTrainer(name, shards, devices, batched)
+                trainers[name] = RayTrainer(name, shards, devices, batched, experiment.task_dirs)
             elif len(devices) > 1:
                 trainers[name] = WorkerPoolTrainer(name, shards, devices, batched)
             else:

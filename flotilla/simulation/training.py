@@ -3,8 +3,10 @@
 A task is *batchable* when it has ``example_losses(outputs, targets)`` (per-example loss,
 no reduction) and a model without buffers: it then promises that its ``train`` is plain
 minibatch SGD on that loss (momentum, weight decay, FedProx term; batches in the order of
-``torch.randperm(n, generator=torch.Generator().manual_seed(seed))`` each epoch) and that
-it is a classifier (``evaluate`` reports ``accuracy`` and mean ``loss``). Such clients train
+``torch.randperm(n, generator=torch.Generator().manual_seed(seed))`` each epoch, one
+generator for all epochs, or in the shard's own order when the task says
+``shuffle_batches = False``) and that it is a classifier (``evaluate`` reports
+``accuracy`` and mean ``loss``). Such clients train
 in groups as one computation (``torch.func.functional_call`` under ``vmap``), each client
 with its own parameters, optimizer state and batch order; a client with fewer samples
 has its missing examples masked out, never padded with fake data. Both paths give the
@@ -116,7 +118,8 @@ class LoopTrainer:
             local = self.shards.get(data, client)
             load_model_state(model, global_state)
             num_samples, metrics = self.task.train(model, local, train, seed)
-            metrics = {**metrics, **self.task.evaluate(model, local.val)}
+            if local.num_val:
+                metrics = {**metrics, **self.task.evaluate(model, local.val)}
             state = model_state(model)
             delta = {k: state[k] - np.asarray(global_state[k]) for k in global_state}
             out.append(ClientResult(int(num_samples), _floats(metrics), delta))
@@ -188,7 +191,8 @@ class BatchedTrainer:
         model = self._model
         count = len(locals_)
         x_train, y_train, counts = _stack([d.train for d in locals_], dev)
-        index, mask = _schedule(counts, cfg.batch_size, cfg.local_epochs, seed, dev)
+        shuffle = bool(getattr(self.task, "shuffle_batches", True))
+        index, mask = _schedule(counts, cfg.batch_size, cfg.local_epochs, seed, shuffle, dev)
         names = list(global_state)
         base = {
             n: torch.from_numpy(np.array(global_state[n], dtype=np.float32)).to(dev) for n in names
@@ -262,16 +266,19 @@ class BatchedTrainer:
                         bufs[n] = torch.zeros_like(params[n])
                     bufs[n][rows_on] = buf
         seen = counts.clamp(min=1).float() * cfg.local_epochs
-        metrics = {"train_loss": loss_sum / seen, "train_accuracy": correct / seen}
-        metrics.update(self._evaluate(params, [d.val for d in locals_]))
+        trained = {"train_loss": loss_sum / seen, "train_accuracy": correct / seen}
+        # A client with no validation examples reports no validation scores (LocalData).
+        has_val = [d.num_val > 0 for d in locals_]
+        scored = self._evaluate(params, [d.val for d in locals_]) if any(has_val) else {}
         flat.sub_(torch.cat([base[n].reshape(-1) for n in names]))
         rows_np = flat.cpu().numpy()
-        columns = {k: v.cpu().numpy().tolist() for k, v in metrics.items()}
+        train_cols = {k: v.cpu().numpy().tolist() for k, v in trained.items()}
+        val_cols = {k: v.cpu().numpy().tolist() for k, v in scored.items()}
         layout = tuple(TensorSpec(n, "F32", tuple(base[n].shape)) for n in names)
         return [
             ClientResult(
                 int(counts[i]),
-                {k: v[i] for k, v in columns.items()},
+                {k: v[i] for k, v in (train_cols | val_cols if has_val[i] else train_cols).items()},
                 FlatState(rows_np[i], layout),
             )
             for i in range(count)
@@ -319,8 +326,11 @@ def _stack(parts: list[Any], device: Any) -> tuple[Any, Any, Any]:
     return xs.to(device), ys.to(device), counts.to(device)
 
 
-def _schedule(counts: Any, batch: int, epochs: int, seed: int, device: Any) -> tuple[Any, Any]:
-    """Each client's batches in the order its own ``train`` would take them.
+def _schedule(
+    counts: Any, batch: int, epochs: int, seed: int, shuffle: bool, device: Any
+) -> tuple[Any, Any]:
+    """Each client's batches in the order its own ``train`` would take them: shuffled by
+    ``randperm`` from ``seed`` each epoch, or in order (``shuffle`` false).
 
     ``index[c, t]`` holds the positions of client c's t-th batch (padded with 0),
     ``mask[c, t]`` which of them are real; a client out of batches has an all-zero row.
@@ -340,7 +350,7 @@ def _schedule(counts: Any, batch: int, epochs: int, seed: int, device: Any) -> t
         gen = torch.Generator().manual_seed(seed)
         t = 0
         for _ in range(epochs):
-            order = torch.randperm(n, generator=gen)
+            order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
             for start in range(0, n, batch):
                 piece = order[start : start + batch]
                 one_index[t, : len(piece)] = piece

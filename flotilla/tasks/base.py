@@ -8,9 +8,12 @@ itself imports torch only for type checking, keeping ``import flotilla.tasks`` c
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
@@ -64,7 +67,11 @@ class Shard:
 
 @dataclass(frozen=True, slots=True)
 class LocalData:
-    """A device's own examples: ``train`` to fit on, ``val`` to report local metrics."""
+    """A device's own examples: ``train`` to fit on, ``val`` to report local metrics.
+
+    ``val`` may be empty (no examples): the device then trains on everything it has and
+    reports no validation scores of its own; a round's ``accuracy`` and ``loss`` then come
+    from the server's held-out evaluation alone."""
 
     train: Examples
     val: Examples
@@ -72,6 +79,10 @@ class LocalData:
     @property
     def num_train(self) -> int:
         return int(self.train[1].shape[0])
+
+    @property
+    def num_val(self) -> int:
+        return int(self.val[1].shape[0])
 
 
 @runtime_checkable
@@ -114,6 +125,21 @@ class ExportableTask(Task, Protocol):
     def example_batch(self, batch_size: int) -> Examples:
         """Inputs and labels of one batch, shaped and typed as devices will feed them."""
         ...
+
+
+@contextlib.contextmanager
+def importable_from(dirs: Sequence[Path]) -> Iterator[None]:
+    """Modules in ``dirs`` importable for the duration, ahead of installed packages, as
+    ``python script.py`` puts the script's directory first; ``sys.path`` is restored after.
+    Worker processes started meanwhile with ``spawn`` inherit it."""
+    added = [str(d) for d in dirs if str(d) not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for entry in added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(entry)
 
 
 def load_task(entrypoint: str) -> Task:

@@ -47,7 +47,8 @@ class ShardTraining:
         num_samples, metrics = task.train(model, local, train, seed)
         # Reported so the server's scheduler can tell compute from transfer time.
         metrics = {**metrics, COMPUTE_METRIC: time.perf_counter() - started}
-        metrics = {**metrics, **task.evaluate(model, local.val)}
+        if local.num_val:
+            metrics = {**metrics, **task.evaluate(model, local.val)}
         numbers = {k: float(v) for k, v in metrics.items()}
         return LocalRound(int(num_samples), numbers, model_state(model), local.num_train)
 

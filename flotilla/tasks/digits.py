@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 #: Seed of the held-out split; fixed so every server evaluates on the same images.
 HELDOUT_SEED = 20240601
 HELDOUT_FRACTION = 0.2
+#: Share of each shard held back from training as the device's own validation split
+#: (``data.params.val_fraction``; 0 trains on the whole shard and reports no local scores).
 VAL_FRACTION = 0.1
 #: Fewest examples a shard may get; the partition is redrawn until all shards have this many.
 MIN_SHARD_SIZE = 10
@@ -133,6 +135,8 @@ class AugmentParams:
     #: How shard sizes spread over ``min..max_samples``: ``uniform`` or ``loguniform``
     #: (most shards small, a few large, as data on real devices is).
     size_dist: str = "uniform"
+    #: Share of each shard held back for the device's local validation (0: none).
+    val_fraction: float = VAL_FRACTION
     #: Correlation (-1..1) of a shard's size with its index; with
     #: ``population.speed_order = "ascending"`` (device 0 the slowest) a negative value
     #: gives slower devices larger shards.
@@ -151,7 +155,16 @@ class AugmentParams:
             raise ValueError("data.params.size_dist must be uniform or loguniform")
         if not -1.0 <= made.size_skew <= 1.0:
             raise ValueError("data.params.size_skew must be in [-1, 1]")
+        if not 0.0 <= made.val_fraction < 1.0:
+            raise ValueError("data.params.val_fraction must be in [0, 1)")
         return made
+
+    def val_count(self, n: int) -> int:
+        """Examples of ``n`` held back for validation: at least one unless the fraction
+        is 0, and never all of them."""
+        if self.val_fraction == 0.0 or n < 2:
+            return 0
+        return min(n - 1, max(1, round(self.val_fraction * n)))
 
     def shard_size(self, shard: Shard, rng: np.random.Generator) -> int:
         """Samples of ``shard``: a quantile of the size distribution drawn from a Gaussian
@@ -193,10 +206,17 @@ def augment_digits(images: np.ndarray, rng: np.random.Generator, p: AugmentParam
 
 
 class DigitsTask:
-    """MLP classifier on ``sklearn.datasets.load_digits``; implements :class:`Task`."""
+    """MLP classifier on ``sklearn.datasets.load_digits``; implements :class:`Task`.
+
+    Each device trains on its shard less ``data.params.val_fraction`` (10 %), which it
+    keeps as its own validation split (:class:`LocalData`); a task copied from this one
+    inherits that, and ``val_fraction = 0`` trains on the whole shard."""
 
     #: Widths of the hidden layers.
     hidden: tuple[int, ...] = HIDDEN
+    #: Batches of each epoch in a fresh seeded random order; False takes them in the
+    #: shard's own order (the simulator's batched trainer reads this too).
+    shuffle_batches: bool = True
 
     def __init__(self) -> None:
         self._split: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -246,7 +266,7 @@ class DigitsTask:
         mine = self._partitions[key][shard.index]
         rng = np.random.default_rng([data.seed % 2**64, shard.count, shard.index])
         order = rng.permutation(mine)
-        n_val = max(1, round(VAL_FRACTION * len(order)))
+        n_val = augment.val_count(len(order))
         val, train = order[:n_val], order[n_val:]
         return LocalData(train=_tensors(x_pool, y_pool, train), val=_tensors(x_pool, y_pool, val))
 
@@ -259,7 +279,7 @@ class DigitsTask:
             return self.load_shard(shard, data).num_train
         rng = np.random.default_rng([data.seed % 2**64, shard.count, shard.index, 1])
         n = augment.shard_size(shard, rng)
-        return n - max(1, round(VAL_FRACTION * n))
+        return n - augment.val_count(n)
 
     def _augmented_shard(self, shard: Shard, data: DataSection, p: AugmentParams) -> LocalData:
         """A shard for fleets larger than the 1,437 pool images allow: ``min..max_samples``
@@ -282,7 +302,7 @@ class DigitsTask:
             members = np.flatnonzero(y_pool == c)
             source[where] = members[rng.integers(len(members), size=len(where))]
         images = augment_digits(x_pool[source], rng, p)
-        n_val = max(1, round(VAL_FRACTION * n))
+        n_val = p.val_count(n)
         val, train = np.arange(n_val), np.arange(n_val, n)
         return LocalData(train=_tensors(images, labels, train), val=_tensors(images, labels, val))
 
@@ -306,7 +326,7 @@ class DigitsTask:
         if not np.isfinite(x).all() or y.min() < 0 or y.max() >= NUM_CLASSES:
             raise ValueError(f"{path}: x must be finite and labels in 0..{NUM_CLASSES - 1}")
         order = np.random.default_rng(data.seed % 2**64).permutation(len(y))
-        n_val = max(1, round(VAL_FRACTION * len(order)))
+        n_val = AugmentParams.from_params(data.params).val_count(len(order))
         val, train = order[:n_val], order[n_val:]
         return LocalData(train=_tensors(x, y, train), val=_tensors(x, y, val))
 
@@ -339,7 +359,7 @@ class DigitsTask:
         model.train()
         total_loss, correct, seen = 0.0, 0, 0
         for _ in range(config.local_epochs):
-            order = torch.randperm(n, generator=gen)
+            order = torch.randperm(n, generator=gen) if self.shuffle_batches else torch.arange(n)
             for start in range(0, n, config.batch_size):
                 idx = order[start : start + config.batch_size]
                 logits = model(x[idx])
