@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -330,6 +331,92 @@ def test_clients_without_validation_examples_train_alike_and_report_no_local_sco
             np.testing.assert_allclose(b.delta[name], a.delta[name], rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="val_fraction"):
         task.load_shard(Shard(0, 10), DataSection(params={"val_fraction": 1.0}))
+
+
+class RecordingTrainer:
+    """A real trainer that notes which clients each call trains, and how many updates
+    the round had handed out by then."""
+
+    def __init__(self, inner: LoopTrainer, handed_out: list[str]) -> None:
+        self.inner = inner
+        self.shards = inner.shards
+        self.handed_out = handed_out
+        self.calls: list[tuple[list[int], int]] = []
+
+    def train(self, *args: Any, **kwargs: Any) -> list[Any]:
+        self.calls.append((list(args[1]), len(self.handed_out)))
+        return self.inner.train(*args, **kwargs)
+
+
+def test_a_round_trains_its_clients_in_arrival_order_a_bounded_batch_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """Memory flat in clients per round: a batch's updates are handed to the engine before
+    the next batch trains; updates come out as if every client had trained at once; a
+    batch nobody waits for any more is not trained at all."""
+    from flotilla.core.blobstore import BlobStore
+    from flotilla.core.tensors import TensorSpec, encode_state
+    from flotilla.core.work import WorkOrder
+    from flotilla.engine.backend import Delivered, TrainTask
+    from flotilla.scheduling import DevicePool, Leases
+    from flotilla.simulation.backend import SimBackend
+    from flotilla.simulation.fleet import Fleet
+    from flotilla.tasks import model_state
+
+    task = DigitsTask()
+    task_name = "flotilla.tasks.digits:DigitsTask"
+    model = model_state(task.build_model(0))
+    layout = tuple(TensorSpec(n, "F32", tuple(v.shape)) for n, v in model.items())
+    params = sum(v.size for v in model.values())
+    handed_out: list[str] = []
+    trainer = RecordingTrainer(LoopTrainer(task, ShardCache(task, 60)), handed_out)
+    population = PopulationSection(clients=60, classes=(DeviceClass(speed_sigma=1.0),))
+
+    async def run() -> tuple[list[Delivered], int]:
+        leases = Leases(DevicePool(clock=asyncio.get_running_loop().time))
+        devices = draw_devices(population, 3)
+        fleet = Fleet(devices, (task_name,), population.availability, 3, leases)
+        blobs = BlobStore(tmp_path / "blobs")
+        sha = blobs.put(encode_state(model))
+        backend = SimBackend(
+            fleet, leases, blobs, {task_name: trainer}, population, 3, tmp_path / "state",
+            deltas_in_flight_bytes=4 * params * 7,
+        )  # fmt: skip
+        order = WorkOrder(
+            job_id="job-1", round=1, round_token="t", task=task_name, config_json="{}",
+            model_sha256=sha, model_size=8, deadline=1e12, seed=5,
+        )  # fmt: skip
+        stream = backend.dispatch(TrainTask(order, layout), [d.device_id for d in devices])
+        got = []
+        async for result in stream:
+            assert isinstance(result, Delivered)
+            got.append(result)
+            handed_out.append(result.update.device_id)
+            if len(got) == 30:
+                break
+        await stream.aclose()
+        freed = 0
+        for _ in range(100):  # every device is let go, trained or not
+            await asyncio.sleep(60)
+            freed = sum(1 for d in devices if leases.pool.busy_with(d.device_id) is None)
+            if freed == len(devices):
+                break
+        return got, freed
+
+    got, freed = run_simulated(run())
+    assert freed == 60
+    sizes = [len(clients) for clients, _ in trainer.calls]
+    assert sizes == [7, 7, 7, 7, 7], "batches of 7, and none after the 30th update"
+    handed = [handed for _, handed in trainer.calls]
+    assert handed == [0, 7, 14, 21, 28], "each batch was handed out before the next trained"
+    trained = [c for clients, _ in trainer.calls for c in clients]
+    assert [int(r.update.device_id.split("-")[1]) for r in got] == trained[:30]
+    at_once = LoopTrainer(task, ShardCache(task, 60)).train(
+        model, trained[:30], TrainSection(), DataSection(), seed=5
+    )
+    for result, alone in zip(got, at_once, strict=True):
+        for name, value in alone.delta.items():
+            np.testing.assert_allclose(result.update.delta[name], value, rtol=0, atol=1e-6)
 
 
 def test_client_state_lives_in_a_sparse_memory_mapped_file(tmp_path: Path) -> None:

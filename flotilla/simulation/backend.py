@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flotilla.compression import CodecContext, decode_state_with, make_codec
+from flotilla.compression import CodecContext, decode_state_with, encode_state_with, make_codec
 from flotilla.compression.broadcast import decode_model
 from flotilla.compression.pipeline import UpdatePipeline
 from flotilla.core.round_config import RoundConfig
@@ -34,6 +34,25 @@ from flotilla.simulation.client_state import ClientStateStore
 from flotilla.simulation.fleet import Fleet
 from flotilla.simulation.population import PopulationSection, Slowdowns, VirtualDevice
 from flotilla.simulation.training import ClientTrainer
+
+#: Deltas a round's batch of clients may hold at once (the engine folds them before the
+#: next batch trains).
+DELTAS_IN_FLIGHT_BYTES = 256 * 1024**2
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """A device that will deliver: when, and what its timing needs."""
+
+    arrival: float
+    device_id: str
+    device: VirtualDevice
+    down: int
+    jitter: float
+
+
+def _parameters(layout: tuple[TensorSpec, ...]) -> int:
+    return max(1, sum(math.prod(s.shape) for s in layout))
 
 
 @dataclass(slots=True)
@@ -106,16 +125,23 @@ class SimulatedUplink:
             ),
             entropy=lambda: CodecContext.seeded(int(rng.integers(2**63))),
         )
-        self._plain_bytes: int | None = None
+        zeros = {s.name: np.zeros(s.shape, np.float32) for s in layout}
+        #: An upload's size, known before training: every codec here sends a payload whose
+        #: size depends on the layout only (the plain one sends the delta itself).
+        self.payload_bytes = len(
+            encode_state(zeros)
+            if self.pipeline.plain
+            else encode_state_with(self.pipeline.codec, zeros, CodecContext.seeded(0))
+        )
+        #: No per-client state: an update nobody aggregates need not be computed at all.
+        self.stateless = self.pipeline.residuals is None and self.pipeline.velocity is None
 
     def __call__(self, client: int, delta: ModelState) -> tuple[ModelState, int]:
         """The delta as the server decodes it, and the bytes it took on the uplink."""
         pipeline = self.pipeline
         delta = pipeline.smooth(client, delta)
         if pipeline.plain:  # the payload is the delta itself: skip encoding and decoding
-            if self._plain_bytes is None:  # its size depends on the layout only
-                self._plain_bytes = len(encode_state(delta))
-            return delta, self._plain_bytes
+            return delta, self.payload_bytes
         payload = pipeline.encode(client, delta)
         decoded = decode_state_with(payload, self.layout, len(payload), codec=pipeline.codec)
         return decoded, len(payload)
@@ -139,8 +165,10 @@ class SimBackend:
         population: PopulationSection,
         seed: int,
         state_dir: Path,
+        deltas_in_flight_bytes: int = DELTAS_IN_FLIGHT_BYTES,
     ) -> None:
         self.fleet = fleet
+        self.deltas_in_flight_bytes = deltas_in_flight_bytes
         self.state_dir = state_dir
         #: Told when a device is done with its job (the lease owner frees it).
         self.events = events
@@ -160,25 +188,31 @@ class SimBackend:
         self.dropouts: Counter[tuple[str, int]] = Counter()
 
     def dispatch(self, task: TrainTask, device_ids: Sequence[str]) -> _Stream:
+        """Decide each device's fate and arrival now; train later, in arrival order.
+
+        Every arrival time is known before training (an upload's size is the layout's),
+        so clients train in batches of ``deltas_in_flight_bytes``, each when its first
+        update is due on the virtual clock, and the engine folds a batch's updates before
+        the next one trains: a round holds a bounded number of deltas however many
+        clients it has. Training takes no simulated time, so the outcome is the same as
+        training every client at dispatch."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         job = self._job(task)
         config = job.config
+        epochs = config.train.local_epochs
         open_round = _Round(task, set(device_ids))
         trainer = self.trainers[task.order.task]
-        shards = trainer.shards
         pop = self.population
-        survivors = []
+        planned: list[_Planned] = []
         for device_id in device_ids:
             device = self.fleet.devices[device_id]
-            samples = shards.get(config.data, device.index).num_train
+            samples = trainer.shards.num_train(config.data, device.index)
             down = self._download_bytes(device_id, task)
             jitter = 1.0
             if self._slow.round_sigma > 0:
                 jitter = math.exp(self._slow.round_sigma * self._noise_rng.standard_normal())
-            guess, _ = self._seconds(
-                device, samples, config.train.local_epochs, down, down, now, jitter
-            )
+            guess, _ = self._seconds(device, samples, epochs, down, down, now, jitter)
             drop_at = math.inf
             if self._rng.random() < pop.dropout:
                 drop_at = now + self._rng.random() * guess
@@ -188,38 +222,53 @@ class SimBackend:
                 loop.call_at(
                     drop_at + pop.dropout_detect_s, self._fail, open_round, device_id, "dropped out"
                 )
-            else:
-                survivors.append((device_id, device, down, jitter))
-        if survivors:
+                continue
+            up = job.pipeline.payload_bytes
+            seconds, _ = self._seconds(device, samples, epochs, down, up, now, jitter)
+            planned.append(_Planned(now + seconds, device_id, device, down, jitter))
+        if planned:
+            planned.sort(key=lambda p: p.arrival)  # stable: ties keep the selection's order
             model = self._global(task, config)
-            results = trainer.train(
-                model,
-                [device.index for _, device, _, _ in survivors],
-                config.train,
-                config.data,
-                task.order.seed,
-            )
-            for (device_id, device, down, jitter), result in zip(survivors, results, strict=True):
-                delta, up = job.pipeline(device.index, result.delta)
-                seconds, compute = self._seconds(
-                    device, result.num_samples, config.train.local_epochs, down, up, now, jitter
-                )
-                metrics = {
-                    **result.metrics,
-                    "bytes_up": float(up),
-                    "bytes_down": float(down),
-                    COMPUTE_METRIC: compute,
-                }
-                update = Update(
-                    task.order.job_id,
-                    task.order.round,
-                    device_id,
-                    result.num_samples,
-                    delta,
-                    metrics,
-                )
-                loop.call_at(now + seconds, self._arrive, open_round, update, seconds)
+            size = max(1, self.deltas_in_flight_bytes // (4 * _parameters(task.layout)))
+            for start in range(0, len(planned), size):
+                batch = planned[start : start + size]
+                loop.call_at(batch[0].arrival, self._train, open_round, model, batch, now)
         return _Stream(self, open_round)
+
+    def _train(
+        self, open_round: _Round, model: ModelState, batch: list[_Planned], dispatched: float
+    ) -> None:
+        """Train ``batch`` and schedule each update's arrival; a batch the round no longer
+        wants is only let go, at the same times, when no client state depends on it."""
+        loop = asyncio.get_running_loop()
+        task = open_round.task
+        job = self._job(task)
+        if open_round.closed and job.pipeline.stateless:
+            for p in batch:
+                loop.call_at(p.arrival, self._let_go, open_round, p.device_id)
+            return
+        config = job.config
+        epochs = config.train.local_epochs
+        trainer = self.trainers[task.order.task]
+        indices = [p.device.index for p in batch]
+        results = trainer.train(model, indices, config.train, config.data, task.order.seed)
+        for p, result in zip(batch, results, strict=True):
+            delta, up = job.pipeline(p.device.index, result.delta)
+            seconds, compute = self._seconds(
+                p.device, result.num_samples, epochs, p.down, up, dispatched, p.jitter
+            )
+            metrics = {
+                **result.metrics,
+                "bytes_up": float(up),
+                "bytes_down": float(p.down),
+                COMPUTE_METRIC: compute,
+            }
+            update = Update(
+                task.order.job_id, task.order.round, p.device_id, result.num_samples, delta, metrics
+            )
+            at = max(dispatched + seconds, loop.time())  # = p.arrival: sizes were known
+            loop.call_at(at, self._arrive, open_round, update, seconds)
+        del results
 
     def _seconds(
         self,
@@ -280,6 +329,11 @@ class SimBackend:
             self.events.freed(device_id, job_id)
 
         open_round.results.put_nowait(Delivered(update, seconds, settle))
+
+    def _let_go(self, open_round: _Round, device_id: str) -> None:
+        """A device whose update would have come too late is done: free it."""
+        open_round.pending.discard(device_id)
+        self.events.freed(device_id, open_round.task.order.job_id)
 
     def _fail(self, open_round: _Round, device_id: str, reason: str) -> None:
         open_round.pending.discard(device_id)

@@ -16,6 +16,7 @@ same parameters (to float rounding) and the same metrics.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,6 +28,8 @@ from flotilla.core.tensors import FlatState, ModelState, TensorSpec
 
 #: Memory a batched group may use on a CPU; a CUDA device uses half of what is free.
 CPU_GROUP_BYTES = 2 * 1024**3
+#: Client data a trainer keeps loaded (least recently used dropped first).
+SHARD_CACHE_BYTES = 512 * 1024**2
 
 
 @dataclass(slots=True)
@@ -53,36 +56,67 @@ class ClientTrainer(Protocol):
 
 
 class ShardCache:
-    """Each client's data, loaded once: client ``i`` of ``count`` holds shard ``i/count``."""
+    """Each client's data: client ``i`` of ``count`` holds shard ``i/count``.
 
-    def __init__(self, task: Any, count: int) -> None:
+    Shards are kept, most recently used first, up to ``max_bytes`` of tensors; beyond
+    that the least recently used are dropped and loaded again when next asked for
+    (tasks derive them from seeds), so memory stays flat however many clients there are.
+    Each client's count of training samples is kept apart, for good."""
+
+    def __init__(self, task: Any, count: int, max_bytes: int = SHARD_CACHE_BYTES) -> None:
         self.task = task
         self.count = count
-        self._shards: dict[tuple[str, int], Any] = {}
+        self.max_bytes = max_bytes
+        self._shards: OrderedDict[tuple[str, int], tuple[Any, int]] = OrderedDict()
+        self._bytes = 0
+        self._num_train: dict[tuple[str, int], int] = {}
         self._last: tuple[DataSection, str] | None = None
+
+    def _key(self, data: DataSection, client: int) -> tuple[str, int]:
+        if self._last is None or self._last[0] is not data:  # one section serves a round
+            self._last = (data, data.key())
+        return self._last[1], client
 
     def get(self, data: DataSection, client: int) -> Any:
         from flotilla.tasks import Shard
 
-        if self._last is None or self._last[0] is not data:  # one section serves a round
-            self._last = (data, data.key())
-        key = (self._last[1], client)
-        shard = self._shards.get(key)
-        if shard is None:
-            shard = self.task.load_shard(Shard(client, self.count), data)
-            self._shards[key] = shard
+        key = self._key(data, client)
+        held = self._shards.get(key)
+        if held is not None:
+            self._shards.move_to_end(key)
+            return held[0]
+        shard = self.task.load_shard(Shard(client, self.count), data)
+        size = _nbytes(shard)
+        self._num_train[key] = int(shard.num_train)
+        self._shards[key] = (shard, size)
+        self._bytes += size
+        while self._bytes > self.max_bytes and len(self._shards) > 1:
+            _, (_, dropped) = self._shards.popitem(last=False)
+            self._bytes -= dropped
         return shard
 
     def num_train(self, data: DataSection, client: int) -> int:
-        """Training samples of a client's shard, without loading it when the task can
-        tell (``train_samples(shard, data)``, optional): every client's count is needed
-        at the start, its data only when it trains."""
+        """Training samples of a client's shard, without keeping the shard when the task
+        can tell (``train_samples(shard, data)``, optional): every client's count is
+        needed at the start, its data only when it trains."""
         from flotilla.tasks import Shard
 
+        key = self._key(data, client)
+        known = self._num_train.get(key)
+        if known is not None:
+            return known
         count = getattr(self.task, "train_samples", None)
         if callable(count):
-            return int(count(Shard(client, self.count), data))
+            self._num_train[key] = known = int(count(Shard(client, self.count), data))
+            return known
         return int(self.get(data, client).num_train)
+
+
+def _nbytes(shard: Any) -> int:
+    """Bytes of a shard's tensors (train and validation)."""
+    return sum(
+        int(t.element_size() * t.nelement()) for part in (shard.train, shard.val) for t in part
+    )
 
 
 def is_batchable(task: Any) -> bool:
