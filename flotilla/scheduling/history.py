@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,10 @@ class DeviceHistory:
             n = self.delivered
             self.compute_s += (compute_s - self.compute_s) / n
             self.transfer_s += (seconds - compute_s - self.transfer_s) / n
+
+
+#: DeviceHistory's fields, all scalars.
+_HISTORY_FIELDS = tuple(f.name for f in fields(DeviceHistory))
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +144,9 @@ class FleetHistory:
     def job_state(self, job_id: str) -> dict[str, Any]:
         """One job's records as plain data: committed with each of its rounds, so a
         restarted server picks up where the job's scheduling was."""
-        records = {d: asdict(r) for d, r in self.records.get(job_id, {}).items()}
+        # Scalar fields only: a shallow copy, not asdict's deep one (1,000 devices a round).
+        job = self.records.get(job_id, {})
+        records = {d: {f: getattr(r, f) for f in _HISTORY_FIELDS} for d, r in job.items()}
         trials = [asdict(t) for t in self.trials.get(job_id, [])]
         return {"round": self.rounds.get(job_id, 0), "records": records, "trials": trials}
 

@@ -256,7 +256,6 @@ class BatchedTrainer:
             return loss, (loss.detach() * seen, correct)
 
         step = vmap(grad(loss_fn, has_aux=True))
-        rows = torch.arange(count, device=dev).unsqueeze(1)
         loss_sum = torch.zeros(count, device=dev)
         correct = torch.zeros(count, device=dev)
         lr, momentum, decay = cfg.learning_rate, cfg.momentum, cfg.weight_decay
@@ -267,7 +266,7 @@ class BatchedTrainer:
             width = max(1, widths[t])
             idx, m = index[:, t, :width], mask[:, t, :width]
             grads, (batch_loss, batch_correct) = step(
-                params, x_train[rows, idx], y_train[rows, idx], m
+                params, _rows(x_train, idx), _rows(y_train, idx), m
             )
             loss_sum += batch_loss
             correct += batch_correct
@@ -345,19 +344,29 @@ class BatchedTrainer:
 def _stack(parts: list[Any], device: Any) -> tuple[Any, Any, Any]:
     """Inputs and labels of many clients, padded to the longest: (C, n_max, ...)."""
     import torch
+    from torch.nn.utils.rnn import pad_sequence
 
     counts = torch.tensor([int(y.shape[0]) for _, y in parts], dtype=torch.long)
-    longest = max(1, int(counts.max()))
-    x0 = parts[0][0]
-    xs = torch.zeros((len(parts), longest, *x0.shape[1:]), dtype=x0.dtype)
-    ys = torch.zeros((len(parts), longest), dtype=parts[0][1].dtype)
-    # One scatter instead of a copy per client: row i, columns 0..counts[i].
-    rows = torch.repeat_interleave(torch.arange(len(parts)), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    cols = torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)
-    xs[rows, cols] = torch.cat([x for x, _ in parts])
-    ys[rows, cols] = torch.cat([y for _, y in parts])
+    if int(counts.max()) == 0:  # nothing at all: one zero row each keeps shapes valid
+        x0, y0 = parts[0]
+        shape = (len(parts), 1, *x0.shape[1:])
+        xs, ys = torch.zeros(shape, dtype=x0.dtype), torch.zeros(shape[:2], dtype=y0.dtype)
+    elif bool((counts == counts[0]).all()):
+        xs, ys = torch.stack([x for x, _ in parts]), torch.stack([y for _, y in parts])
+    else:
+        xs = pad_sequence([x for x, _ in parts], batch_first=True)
+        ys = pad_sequence([y for _, y in parts], batch_first=True)
     return xs.to(device), ys.to(device), counts.to(device)
+
+
+def _rows(stacked: Any, index: Any) -> Any:
+    """``stacked[c, index[c, j]]`` for every client c: one contiguous gather."""
+    import torch
+
+    count, n = stacked.shape[0], stacked.shape[1]
+    offsets = (torch.arange(count, device=index.device) * n).view(count, *[1] * (index.dim() - 1))
+    flat = stacked.reshape(count * n, *stacked.shape[2:])
+    return flat.index_select(0, (index + offsets).reshape(-1)).view(*index.shape, *flat.shape[1:])
 
 
 def _schedule(
