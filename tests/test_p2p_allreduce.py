@@ -28,7 +28,7 @@ PEER = Path(__file__).parent / "support" / "peers" / "allreduce_peer.py"
 SIZE = 10_000_000
 PEERS = 8
 KILLED = 2
-TRIALS = 5
+TRIALS = 4
 TIMEOUT_S = 15.0
 
 

@@ -339,13 +339,13 @@ def test_p2p_digits_job_commits_the_models_agents_agreed_on_despite_a_kill(
     fleet.start(5)
     job_id = server.submit(
         digits_spec, "job.name=p2p", "aggregation.transport=p2p", "compression.uplink=int8",
-        "job.clients_per_round=5", "job.min_quorum=3", "job.rounds=12",
+        "job.clients_per_round=5", "job.min_quorum=3", "job.rounds=8",
         "job.round_deadline_s=40", "aggregation.matchmaking_s=4",
     )  # fmt: skip
     victim_log = tmp_path / "agent-2.log"
     # Killed while joining its group (mid-round) in round 3 or later, whichever it is in
     # first: on a loaded machine an agent may miss an early round's deadline.
-    averaging = _wait_for_line(victim_log, r"round ([3-9]|1[01]) of \S+: averaging", 200)
+    averaging = _wait_for_line(victim_log, r"round ([3-6]) of \S+: averaging", 200)
     fleet.procs[2].send_signal(signal.SIGKILL)
     killed_in = int(averaging.group(1))
     victim = re.search(r"enrolled as (\S+)", victim_log.read_text())
@@ -355,7 +355,7 @@ def test_p2p_digits_job_commits_the_models_agents_agreed_on_despite_a_kill(
     assert status["state"] == "completed", status
     assert status["metrics"]["accuracy"] >= 0.90, status
     rounds = server.status(job_id, rounds=True)["rounds"]
-    assert [r["round"] for r in rounds] == list(range(1, 13))
+    assert [r["round"] for r in rounds] == list(range(1, 9))
     agreed = _agreed_hashes(tmp_path)
     for r in rounds:
         sha = r["checkpoint_sha256"]

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from flotilla.core.errors import SpecError
 from flotilla.core.spec import DataSection, TrainSection
@@ -26,6 +27,7 @@ from flotilla.simulation import (
     SimulationStalled,
     draw_devices,
     load_experiment,
+    make_trainer,
     run_experiment,
     run_simulated,
     sessions,
@@ -245,8 +247,11 @@ class InOrderDigits(DigitsTask):
     shuffle_batches = False
 
 
+@pytest.mark.parametrize("path", ["stacked", "vmap"])
 @pytest.mark.parametrize("task_class", [DigitsTask, InOrderDigits])
-def test_batched_training_equals_the_per_client_loop(task_class: type[DigitsTask]) -> None:
+def test_batched_training_equals_the_per_client_loop(
+    task_class: type[DigitsTask], path: str
+) -> None:
     """Unequal shards, two epochs, momentum, weight decay and a FedProx term; batches
     shuffled or in order, as the task takes them."""
     from flotilla.tasks import model_state
@@ -267,9 +272,10 @@ def test_batched_training_equals_the_per_client_loop(task_class: type[DigitsTask
     assert len(sizes) > 5, "the test needs clients with different amounts of data"
     model = model_state(task.build_model(3))
     loop = LoopTrainer(task, shards).train(model, clients, train, data, seed=11)
-    batched = BatchedTrainer(task, shards, group_bytes=16 * 2**20)
+    batched = BatchedTrainer(task, shards, group_bytes=4 * 2**20, paths=(path,))
     assert batched.group_size(train, 50_000, 64) < len(clients), "exercise several groups"
     vectorized = batched.train(model, clients, train, data, seed=11)
+    assert batched.choice == path
     for a, b in zip(loop, vectorized, strict=True):
         assert a.num_samples == b.num_samples
         for name in a.delta:
@@ -281,6 +287,7 @@ def test_batched_training_equals_the_per_client_loop(task_class: type[DigitsTask
     assert not np.allclose(elsewise[0].delta["net.0.weight"], loop[0].delta["net.0.weight"])
 
 
+@pytest.mark.parametrize("path", ["stacked", "vmap"])
 @pytest.mark.parametrize(
     "train",
     [
@@ -289,7 +296,9 @@ def test_batched_training_equals_the_per_client_loop(task_class: type[DigitsTask
     ],
     ids=["plain-sgd", "momentum-decay-prox"],
 )
-def test_batched_training_equals_the_loop_on_flowers_mlp_task(train: TrainSection) -> None:
+def test_batched_training_equals_the_loop_on_flowers_mlp_task(
+    train: TrainSection, path: str
+) -> None:
     """The task of docs/simulation.md#bring-your-own-task, as a user wrote it."""
     from flotilla.tasks import importable_from, load_task, model_state
 
@@ -299,7 +308,9 @@ def test_batched_training_equals_the_loop_on_flowers_mlp_task(train: TrainSectio
     clients = list(range(0, 1000, 97))
     model = model_state(task.build_model(1))
     loop = LoopTrainer(task, shards).train(model, clients, train, DataSection(), seed=4)
-    batched = BatchedTrainer(task, shards).train(model, clients, train, DataSection(), seed=4)
+    trainer = BatchedTrainer(task, shards, paths=(path,))
+    batched = trainer.train(model, clients, train, DataSection(), seed=4)
+    assert trainer.choice == path
     for a, b in zip(loop, batched, strict=True):
         assert a.num_samples == b.num_samples == 50
         assert set(a.metrics) == set(b.metrics) == {"train_loss", "train_accuracy"}
@@ -307,6 +318,59 @@ def test_batched_training_equals_the_loop_on_flowers_mlp_task(train: TrainSectio
             assert b.metrics[key] == pytest.approx(a.metrics[key], abs=1e-5), key
         for name in a.delta:
             np.testing.assert_allclose(b.delta[name], a.delta[name], rtol=0, atol=1e-5)
+
+
+class Centred(torch.nn.Module):
+    """Centres each batch on its own mean first: per client under vmap, but across
+    clients if a stacked forward took the first dimension for the batch."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(x - x.mean(dim=0))
+        return out
+
+
+class CentringDigits(DigitsTask):
+    def build_model(self, seed: int) -> torch.nn.Module:
+        return Centred(super().build_model(seed))
+
+
+def test_the_probe_keeps_only_ways_that_give_the_tasks_own_results() -> None:
+    from flotilla.simulation.stacked import stack_model
+    from flotilla.tasks import model_state
+
+    assert stack_model(DigitsTask().build_model(0)) is not None
+    norm = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    assert stack_model(norm) is None, "a parameter outside a linear layer"
+    assert stack_model(torch.nn.Sequential(torch.nn.BatchNorm1d(4))) is None
+
+    task = CentringDigits()
+    # Equal shards: every batch of every client is full, as vmap computes it.
+    data = DataSection(params={"augment": True, "min_samples": 50, "max_samples": 50})
+    shards = ShardCache(task, 200)
+    model = model_state(task.build_model(0))
+    clients = list(range(40))
+    trainer = BatchedTrainer(task, shards)  # stacked and vmap, stacked preferred
+    got = trainer.train(model, clients, TrainSection(), data, seed=2)
+    assert trainer.choice == "vmap", trainer.probe
+    assert "stacked" not in trainer.probe, "its results differ"
+    # Unequal shards: vmap pads short batches, which a batch mean would see: the loop.
+    mixed = DataSection(params={"augment": True, "min_samples": 20, "max_samples": 60})
+    padded = BatchedTrainer(task, shards)
+    padded.train(model, clients, TrainSection(), mixed, seed=2)
+    assert padded.choice == "loop" and set(padded.probe) == {"loop"}
+    want = LoopTrainer(task, shards).train(model, clients, TrainSection(), data, seed=2)
+    for a, b in zip(want, got, strict=True):
+        for name in a.delta:
+            np.testing.assert_allclose(b.delta[name], a.delta[name], rtol=0, atol=1e-5)
+    auto = make_trainer(DigitsTask(), ShardCache(DigitsTask(), 200))
+    auto.train(model_state(DigitsTask().build_model(0)), clients, TrainSection(), data, seed=2)
+    assert isinstance(auto, BatchedTrainer)
+    assert set(auto.probe) == {"loop", "stacked", "vmap"}, "every way was timed"
+    assert auto.choice in ("stacked", "vmap"), "batched digits beat the loop by far"
 
 
 def test_clients_without_validation_examples_train_alike_and_report_no_local_scores() -> None:
@@ -779,7 +843,7 @@ def test_task_parameters_send_batched_training_to_the_task_s_own_loop() -> None:
     for a, b in zip(want, got, strict=True):
         for name in a.delta:
             np.testing.assert_array_equal(a.delta[name], b.delta[name])
-    assert batched._loop is not None, "the loop ran, not the vectorized recipe"
+    assert batched.choice is None, "the loop ran, and no vectorized way was even tried"
 
 
 @pytest.mark.slow

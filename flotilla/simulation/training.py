@@ -16,20 +16,35 @@ same parameters (to float rounding) and the same metrics.
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 
 from flotilla.core.spec import DataSection, TrainSection
 from flotilla.core.tensors import FlatState, ModelState, TensorSpec
 
-#: Memory a batched group may use on a CPU; a CUDA device uses half of what is free.
-CPU_GROUP_BYTES = 2 * 1024**3
+#: Memory a batched group works in on a CPU: small enough that a group's parameters,
+#: gradients and batches stay in the caches (measured on Flower's MLP and the digits MLP:
+#: groups of 16-64 clients beat groups of 750 by 1.3-1.4x). A CUDA device uses half of
+#: what is free: there, the larger the group the better.
+CPU_GROUP_BYTES = 64 * 1024**2
 #: Client data a trainer keeps loaded (least recently used dropped first).
 SHARD_CACHE_BYTES = 512 * 1024**2
+#: One batch of a group: (params, inputs, labels, mask) -> (gradients by name, (summed
+#: loss, correct predictions) per client).
+Step: TypeAlias = Callable[..., tuple[dict[str, Any], tuple[Any, Any]]]
+#: The ways a batched trainer computes a group, in the order it prefers them.
+PATHS = ("stacked", "vmap", "loop")
+#: Clients of the first call each way trains in the probe (the first ones).
+PROBE_CLIENTS = 128
+#: Of those, how many are checked against the task's own ``train`` (and time the loop).
+PROBE_CHECKED = 16
+#: How much faster a later way of :data:`PATHS` must be to be chosen over an earlier one.
+PROBE_MARGIN = 1.25
 
 
 @dataclass(slots=True)
@@ -161,23 +176,53 @@ class LoopTrainer:
 
 
 class BatchedTrainer:
-    """Clients in groups, each group one vectorized computation (see the module doc)."""
+    """Clients in groups, each group one vectorized computation (see the module doc).
+
+    Two ways to compute a group: ``stacked`` (linear layers as batched matrix products
+    with autograd, :mod:`flotilla.simulation.stacked`; models whose parameters are all
+    linear layers') and ``vmap`` (``torch.func`` over any batchable model). The first
+    call trains its first clients every way it may (``paths``), checks each against the
+    task's own ``train`` and keeps the fastest that agrees: a measured choice, not a
+    rule. ``loop`` among ``paths`` lets it choose the task's own per-client loop when that
+    is faster, or when no batched way agrees (a model that mixes the examples of a
+    batch, say, which padding a short batch would change).
+    """
 
     def __init__(
-        self, task: Any, shards: ShardCache, device: str = "cpu", group_bytes: int | None = None
+        self,
+        task: Any,
+        shards: ShardCache,
+        device: str = "cpu",
+        group_bytes: int | None = None,
+        paths: Sequence[str] = ("stacked", "vmap"),
     ) -> None:
         import torch
 
+        from flotilla.simulation.stacked import stack_model
+
+        unknown = set(paths) - set(PATHS)
+        if unknown or not paths:
+            raise ValueError(f"paths must be some of {PATHS}, got {list(paths)}")
         self.task = task
         self.shards = shards
         self.device = torch.device(device)
         self._model = task.build_model(0).to(self.device)
+        self._stacked = stack_model(self._model) if "stacked" in paths else None
+        self.paths = tuple(p for p in PATHS if p in paths and (p != "stacked" or self._stacked))
         self._group_bytes = group_bytes
-        self._loop: LoopTrainer | None = None
+        self._loop = LoopTrainer(task, shards)
+        #: The chosen way; None until the first call decides.
+        self.choice: str | None = None
+        #: Seconds per client each way took in the probe (those that agreed).
+        self.probe: dict[str, float] = {}
+
+    @property
+    def kind(self) -> set[str]:
+        return set() if self.choice is None else {self.choice}
 
     def group_size(self, train: TrainSection, params: int, features: int) -> int:
-        """Clients per group: what fits the memory budget (parameters, gradients, momentum,
-        a temporary per parameter, and a batch of activations per client)."""
+        """Most clients per group: what fits the memory budget (parameters, gradients,
+        momentum, a temporary per parameter, and a batch of activations per client)."""
         import torch
 
         budget = self._group_bytes
@@ -203,26 +248,72 @@ class BatchedTrainer:
         if train.params:
             # Task parameters can change how the task trains, which the batched recipe
             # would not know: the task's own loop is the faithful path.
-            if self._loop is None:
-                self._loop = LoopTrainer(self.task, self.shards)
             return self._loop.train(global_state, clients, train, data, seed)
         locals_ = [self.shards.get(data, c) for c in clients]
         params = sum(int(np.prod(v.shape)) for v in global_state.values())
         features = int(np.prod(locals_[0].train[0].shape[1:]))
         size = self.group_size(train, params, features)
+        if self.choice is None:
+            self.choice = self._choose(global_state, clients, locals_, train, data, seed, size)
+        path = self.choice
+        if path == "loop":
+            return self._loop.train(global_state, clients, train, data, seed)
         out: list[ClientResult] = []
         for start in range(0, len(locals_), size):
-            out += self._group(global_state, locals_[start : start + size], train, seed)
+            out += self._group(global_state, locals_[start : start + size], train, seed, path)
         return out
 
+    def _choose(
+        self,
+        global_state: ModelState,
+        clients: Sequence[int],
+        locals_: list[Any],
+        train: TrainSection,
+        data: DataSection,
+        seed: int,
+        size: int,
+    ) -> str:
+        """Time each way on the first clients; keep the fastest that gives the task's own
+        results, preferring the earlier of ``PATHS`` unless a later one is clearly faster
+        (so that a run makes the same choice, and gives the same numbers, again)."""
+        probe = locals_[:PROBE_CLIENTS]
+        checked = min(len(probe), PROBE_CHECKED)
+        self._loop.train(global_state, clients[:1], train, data, seed)  # warm-up
+        start = time.perf_counter()
+        reference = self._loop.train(global_state, clients[:checked], train, data, seed)
+        timings = {"loop": (time.perf_counter() - start) / checked}
+        for path in self.paths:
+            if path == "loop":
+                continue
+            try:
+                self._group(global_state, probe[:2], train, seed, path)  # warm-up
+                start = time.perf_counter()
+                got = []
+                for first in range(0, len(probe), size):
+                    got += self._group(global_state, probe[first : first + size], train, seed, path)
+                seconds = (time.perf_counter() - start) / len(probe)
+            except Exception:
+                continue
+            if _agree(got[:checked], reference):
+                timings[path] = seconds
+        self.probe = timings
+        best, best_s = "loop", math.inf
+        for path in self.paths:  # a later way must be clearly faster than an earlier one
+            if path in timings and timings[path] * PROBE_MARGIN < best_s:
+                best, best_s = path, timings[path]
+        return best
+
     def _group(
-        self, global_state: ModelState, locals_: list[Any], cfg: TrainSection, seed: int
+        self,
+        global_state: ModelState,
+        locals_: list[Any],
+        cfg: TrainSection,
+        seed: int,
+        path: str,
     ) -> list[ClientResult]:
         import torch
-        from torch.func import functional_call, grad, vmap
 
         dev = self.device
-        model = self._model
         count = len(locals_)
         x_train, y_train, counts = _stack([d.train for d in locals_], dev)
         shuffle = bool(getattr(self.task, "shuffle_batches", True))
@@ -231,31 +322,10 @@ class BatchedTrainer:
         base = {
             n: torch.from_numpy(np.array(global_state[n], dtype=np.float32)).to(dev) for n in names
         }
-        # All of a client's parameters in one row of `flat`: the deltas handed out are then
-        # back to back in one buffer, which the aggregator folds in one pass per client.
-        sizes = [base[n].numel() for n in names]
-        flat = torch.cat([base[n].reshape(-1) for n in names]).repeat(count, 1)
-        params = {
-            n: piece.view(count, *base[n].shape)
-            for n, piece in zip(names, torch.split(flat, sizes, dim=1), strict=True)
-        }
+        # Each parameter contiguous per client, as batched matrix products want them.
+        params = {n: base[n].expand(count, *base[n].shape).clone() for n in names}
+        step = self._stacked_step(base, cfg) if path == "stacked" else self._vmap_step(base, cfg)
         bufs: dict[str, torch.Tensor] = {}
-        mu = cfg.proximal_mu
-        losses_of = self.task.example_losses
-
-        def loss_fn(
-            p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, m: torch.Tensor
-        ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-            out = functional_call(model, p, (x,))
-            seen = m.sum()
-            loss = (losses_of(out, y) * m).sum() / seen.clamp(min=1.0)
-            if mu > 0:
-                prox = sum(((p[n] - base[n]) ** 2).sum() for n in names)
-                loss = loss + 0.5 * mu * prox
-            correct = ((out.argmax(dim=-1) == y).float() * m).sum()
-            return loss, (loss.detach() * seen, correct)
-
-        step = vmap(grad(loss_fn, has_aux=True))
         loss_sum = torch.zeros(count, device=dev)
         correct = torch.zeros(count, device=dev)
         lr, momentum, decay = cfg.learning_rate, cfg.momentum, cfg.weight_decay
@@ -302,7 +372,11 @@ class BatchedTrainer:
         trained = {"train_loss": loss_sum / seen, "train_accuracy": correct / seen}
         # A client with no validation examples reports no validation scores (LocalData).
         has_val = [d.num_val > 0 for d in locals_]
-        scored = self._evaluate(params, [d.val for d in locals_]) if any(has_val) else {}
+        vals = [d.val for d in locals_]
+        scored = self._evaluate(params, vals, path) if any(has_val) else {}
+        # All of a client's deltas in one row: handed out back to back in one buffer,
+        # which the aggregator folds in one pass per client.
+        flat = torch.cat([params[n].reshape(count, -1) for n in names], dim=1)
         flat.sub_(torch.cat([base[n].reshape(-1) for n in names]))
         rows_np = flat.cpu().numpy()
         train_cols = {k: v.cpu().numpy().tolist() for k, v in trained.items()}
@@ -317,7 +391,58 @@ class BatchedTrainer:
             for i in range(count)
         ]
 
-    def _evaluate(self, params: dict[str, Any], vals: list[Any]) -> dict[str, Any]:
+    def _vmap_step(self, base: dict[str, Any], cfg: TrainSection) -> Step:
+        """One batch's gradients per client by ``vmap(grad(loss))``, with the batch's
+        summed loss and correct predictions per client."""
+        import torch
+        from torch.func import functional_call, grad, vmap
+
+        model, losses_of, mu = self._model, self.task.example_losses, cfg.proximal_mu
+
+        def loss_fn(
+            p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, m: torch.Tensor
+        ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+            out = functional_call(model, p, (x,))
+            seen = m.sum()
+            loss = (losses_of(out, y) * m).sum() / seen.clamp(min=1.0)
+            if mu > 0:
+                prox = sum(((p[n] - base[n]) ** 2).sum() for n in base)
+                loss = loss + 0.5 * mu * prox
+            correct = ((out.argmax(dim=-1) == y).float() * m).sum()
+            return loss, (loss.detach() * seen, correct)
+
+        stepped: Step = vmap(grad(loss_fn, has_aux=True))
+        return stepped
+
+    def _stacked_step(self, base: dict[str, Any], cfg: TrainSection) -> Step:
+        """The same as :meth:`_vmap_step` through the stacked model and plain autograd:
+        every client's loss is its own, so one backward pass over their sum gives each
+        client its own gradient."""
+        import torch
+
+        stacked, losses_of, mu = self._stacked, self.task.example_losses, cfg.proximal_mu
+        assert stacked is not None
+        names = list(base)
+
+        def step(
+            params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, m: torch.Tensor
+        ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+            leaves = {n: params[n].detach().requires_grad_() for n in names}
+            stacked.bind(leaves)
+            out = stacked(x)
+            per = losses_of(out.flatten(0, 1), y.flatten(0, 1)).view(m.shape) * m
+            seen = m.sum(dim=1)
+            loss = per.sum(dim=1) / seen.clamp(min=1.0)
+            if mu > 0:
+                prox = sum(((leaves[n] - base[n]) ** 2).flatten(1).sum(dim=1) for n in names)
+                loss = loss + 0.5 * mu * prox
+            grads = torch.autograd.grad(loss.sum(), [leaves[n] for n in names])
+            correct = ((out.detach().argmax(dim=-1) == y).float() * m).sum(dim=1)
+            return dict(zip(names, grads, strict=True)), (loss.detach() * seen, correct)
+
+        return step
+
+    def _evaluate(self, params: dict[str, Any], vals: list[Any], path: str) -> dict[str, Any]:
         import torch
         from torch.func import functional_call, vmap
 
@@ -337,8 +462,28 @@ class BatchedTrainer:
             return loss, acc
 
         with torch.no_grad():
-            loss, acc = vmap(score)(params, x, y, mask)
+            if path == "stacked" and self._stacked is not None:
+                self._stacked.bind(params)
+                out = self._stacked(x)
+                per = losses_of(out.flatten(0, 1), y.flatten(0, 1)).view(mask.shape)
+                seen = mask.sum(dim=1).clamp(min=1.0)
+                loss = (per * mask).sum(dim=1) / seen
+                acc = ((out.argmax(dim=-1) == y).float() * mask).sum(dim=1) / seen
+            else:
+                loss, acc = vmap(score)(params, x, y, mask)
         return {"loss": loss, "accuracy": acc, "num_samples": counts.float()}
+
+
+def _agree(got: list[ClientResult], reference: list[ClientResult]) -> bool:
+    """Whether a way's deltas are the task's own, to float rounding."""
+    for a, b in zip(got, reference, strict=True):
+        if a.num_samples != b.num_samples:
+            return False
+        for name in b.delta:
+            want = np.asarray(b.delta[name])
+            if not np.allclose(np.asarray(a.delta[name]), want, rtol=1e-3, atol=1e-5):
+                return False
+    return True
 
 
 def _stack(parts: list[Any], device: Any) -> tuple[Any, Any, Any]:
@@ -412,8 +557,10 @@ def _floats(metrics: dict[str, Any]) -> dict[str, float]:
 def make_trainer(
     task: Any, shards: ShardCache, device: str = "cpu", batched: bool | None = None
 ) -> ClientTrainer:
-    """The batched trainer when the task allows it (or ``batched`` says so), else the loop."""
-    use_batched = is_batchable(task) if batched is None else batched
-    if use_batched:
-        return BatchedTrainer(task, shards, device)
-    return LoopTrainer(task, shards)
+    """``batched`` None: a batchable task's trainer chooses by its probe among every way,
+    the loop included; True: the batched ways only; False (or a task that is not
+    batchable): the task's own loop."""
+    if batched is False or (batched is None and not is_batchable(task)):
+        return LoopTrainer(task, shards)
+    paths = PATHS if batched is None else ("stacked", "vmap")
+    return BatchedTrainer(task, shards, device, paths=paths)
