@@ -483,6 +483,20 @@ def test_a_round_trains_its_clients_in_arrival_order_a_bounded_batch_at_a_time(
             np.testing.assert_allclose(result.update.delta[name], value, rtol=0, atol=1e-6)
 
 
+def test_the_shard_cache_keeps_what_fits_and_loads_the_rest_when_asked() -> None:
+    task = DigitsTask()
+    data = DataSection(params={"augment": True, "min_samples": 50, "max_samples": 50})
+    one = task.load_shard(Shard(0, 100), data)
+    size = sum(t.element_size() * t.nelement() for t in (*one.train, *one.val))
+    cache = ShardCache(task, 100, max_bytes=10 * size)
+    first = [cache.get(data, c) for c in range(30)]
+    assert all(cache.get(data, c) is first[c] for c in range(10)), "the first ten are kept"
+    again = cache.get(data, 20)
+    assert again is not first[20], "loaded again, not kept"
+    assert np.array_equal(again.train[0].numpy(), first[20].train[0].numpy()), "the same data"
+    assert [cache.num_train(data, c) for c in range(30)] == [45] * 30
+
+
 def test_client_state_lives_in_a_sparse_memory_mapped_file(tmp_path: Path) -> None:
     from flotilla.core.tensors import TensorSpec
     from flotilla.simulation.client_state import ClientStateStore

@@ -37,7 +37,7 @@ from flotilla.simulation.training import ClientTrainer
 
 #: Deltas a round's batch of clients may hold at once (the engine folds them before the
 #: next batch trains).
-DELTAS_IN_FLIGHT_BYTES = 256 * 1024**2
+DELTAS_IN_FLIGHT_BYTES = 128 * 1024**2
 
 
 @dataclass(frozen=True, slots=True)
