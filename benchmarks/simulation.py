@@ -8,7 +8,11 @@ parameters, ``flotilla.tasks.digits:DigitsTask``), each client with 50 augmented
 for the client's validation split, so 45 are trained on: one batch of 32 and one of 13),
 batch 32, 1 local epoch, SGD with lr 0.05 and momentum 0.9, starting from one global model.
 
-Three ways to do it, each measured here in the same run:
+``--workload flower`` runs Flower's simulation benchmark instead: its MLP 784-128-10
+(101,770 parameters, ``examples/own_task/flower_mlp.py``), 50 synthetic examples per client,
+all trained on (one batch of 32, one of 18), plain SGD with lr 0.1 and no momentum.
+
+Four ways to do it, each measured here in the same run:
 
 - ``flotilla``: a temporary experiment file (one job, ``clients_per_round = min_quorum =
   population.clients = C``, no over-selection, no dropout, always online, FedAvg, no
@@ -23,6 +27,9 @@ Three ways to do it, each measured here in the same run:
   into one reused model, a fresh ``torch.optim.SGD``, one epoch over its samples in
   batches of 32 (order ``torch.randperm``), the delta (local minus global) kept.
   At C > ``--loop-sample`` it runs on that many clients and is scaled by C / sample.
+- ``loop1``: the same per-client loop with ``torch.set_num_threads(1)``, as Flower's
+  benchmark runs each client: flotilla, on every core, must beat it by 1.5x (digits) and
+  2.5x (Flower's MLP) at C = 1,000 (``speedup_vs_loop1``, value >= limit).
 - ``vmap``: a bare ``torch.func`` loop over the same work: every client's parameters
   stacked, ``vmap(grad(loss))`` over clients per batch, SGD with momentum by hand, the
   stacked deltas returned; in groups of the size flotilla's ``BatchedTrainer`` uses.
@@ -43,12 +50,14 @@ Floors (reported, never an exit status):
 Stdout carries exactly one JSON object; a one-line summary goes to stderr.
 
     python benchmarks/simulation.py --quick     # C = 100 and 1,000: about 30 s on 2 cores
+    python benchmarks/simulation.py --quick --workload flower
     python benchmarks/simulation.py             # C = 100, 1,000 and 10,000: 2-4 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import logging
@@ -71,22 +80,27 @@ from torch import nn
 
 from flotilla.core.spec import DataSection, TrainSection
 from flotilla.simulation import BatchedTrainer, ShardCache, load_experiment, run_experiment
-from flotilla.tasks.digits import DigitsTask
+from flotilla.tasks import Task, importable_from, load_task
 
-TASK = "flotilla.tasks.digits:DigitsTask"
-#: Floors from the issue.
+#: Where Flower's MLP task lives (docs/simulation.md#bring-your-own-task).
+TASK_DIR = Path(__file__).resolve().parents[1] / "examples" / "own_task"
+#: Floors from the issues.
 FLOOR_CLIENTS = 1000
 VMAP_RATIO_LIMIT = 1.5
 LOOP_SPEEDUP_LIMIT = 8.0
 OVERHEAD_LIMIT_US = 50.0
+#: Against the bare loop on one thread, by workload (issue 19).
+LOOP1_SPEEDUP_LIMIT = {"digits": 1.5, "flower": 2.5}
 
 log = logging.getLogger("benchmarks.simulation")
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What every client does in a round, the same for flotilla and both baselines."""
+    """What every client does in a round, the same for flotilla and every baseline."""
 
+    name: str = "digits"
+    task: str = "flotilla.tasks.digits:DigitsTask"
     samples: int = 50
     batch_size: int = 32
     local_epochs: int = 1
@@ -96,9 +110,19 @@ class Workload:
     seed: int = 0
 
     @property
+    def data_params(self) -> dict[str, Any]:
+        """The digits task's augmented shards of ``samples`` each; Flower's task has 50."""
+        if self.name != "digits":
+            return {}
+        return {"augment": True, "min_samples": self.samples, "max_samples": self.samples}
+
+    @property
     def data(self) -> DataSection:
-        params = {"augment": True, "min_samples": self.samples, "max_samples": self.samples}
-        return DataSection(alpha=self.alpha, seed=self.seed, params=params)
+        return DataSection(alpha=self.alpha, seed=self.seed, params=self.data_params)
+
+    def load_task(self) -> Task:
+        with importable_from([TASK_DIR]):
+            return load_task(self.task)
 
     @property
     def train(self) -> TrainSection:
@@ -108,6 +132,13 @@ class Workload:
             learning_rate=self.learning_rate,
             momentum=self.momentum,
         )
+
+
+WORKLOADS = {
+    "digits": Workload(),
+    # Flower's simulation benchmark: 50 examples a client, all trained on, plain SGD at 0.1.
+    "flower": Workload(name="flower", task="flower_mlp:FlowerMLP", learning_rate=0.1, momentum=0.0),
+}
 
 
 @dataclass(frozen=True)
@@ -149,6 +180,8 @@ INCLUDES = {
         "parameters per client, batch orders, forward/backward, SGD-with-momentum by hand, "
         "deltas as stacked tensors. Excludes data loading and stacking, and metrics."
     ),
+    "loop1_seconds": "the same per-client loop with torch.set_num_threads(1)",
+    "speedup_vs_loop1": "loop1_seconds / flotilla_round_seconds",
     "loop_seconds": (
         "the bare per-client loop (weights copied into one reused model, fresh "
         "torch.optim.SGD, randperm, forward/backward/step per batch, delta kept), best "
@@ -180,7 +213,7 @@ class Clients:
 def load_clients(count: int, work: Workload) -> Clients:
     """The shards flotilla trains on (``ShardCache(task, count)``), equal sizes stacked."""
     start = time.perf_counter()
-    cache = ShardCache(DigitsTask(), count)
+    cache = ShardCache(work.load_task(), count)
     data = work.data
     parts = [cache.get(data, i).train for i in range(count)]
     sizes = {int(y.shape[0]) for _, y in parts}
@@ -191,8 +224,8 @@ def load_clients(count: int, work: Workload) -> Clients:
     return Clients(x, y, time.perf_counter() - start)
 
 
-def global_params(seed: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    model = DigitsTask().build_model(seed)
+def global_params(work: Workload) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    model = work.load_task().build_model(work.seed)
     return model, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -279,7 +312,7 @@ def bare_vmap(
 
 def vmap_group(clients: Clients, work: Workload, params: int) -> int:
     """Clients per vectorized group: what flotilla's ``BatchedTrainer`` picks on the CPU."""
-    task = DigitsTask()
+    task = work.load_task()
     trainer = BatchedTrainer(task, ShardCache(task, 1), "cpu")
     return trainer.group_size(work.train, params, int(clients.x[0, 0].numel()))
 
@@ -333,7 +366,7 @@ momentum = {momentum}
 [data]
 alpha = {alpha}
 seed = {seed}
-params = {{ augment = true, min_samples = {samples}, max_samples = {samples} }}
+params = {data_params}
 
 [aggregation]
 strategy = "fedavg"
@@ -353,10 +386,15 @@ seed = {seed}
 """
 
 
+def toml_table(values: dict[str, Any]) -> str:
+    """An inline TOML table of scalars."""
+    return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in values.items()) + " }"
+
+
 def experiment_text(clients: int, rounds: int, work: Workload) -> str:
     return EXPERIMENT.format(
         clients=clients,
-        task=TASK,
+        task=work.task,
         rounds=rounds,
         seed=work.seed,
         epochs=work.local_epochs,
@@ -364,7 +402,7 @@ def experiment_text(clients: int, rounds: int, work: Workload) -> str:
         lr=work.learning_rate,
         momentum=work.momentum,
         alpha=work.alpha,
-        samples=work.samples,
+        data_params=toml_table(work.data_params),
     )
 
 
@@ -373,7 +411,9 @@ def run_flotilla(clients: int, timed_rounds: int, work: Workload, workdir: Path)
     path.write_text(experiment_text(clients, timed_rounds + 1, work))
     out = workdir / f"out-{clients}"
     start = time.perf_counter()
-    summary = run_experiment(load_experiment(path), out, progress=False, plots=False)
+    experiment = load_experiment(path)
+    experiment = dataclasses.replace(experiment, task_dirs=(TASK_DIR,))
+    summary = run_experiment(experiment, out, progress=False, plots=False)
     run_s = time.perf_counter() - start
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     if len(rows) != timed_rounds + 1:
@@ -398,7 +438,7 @@ def run_flotilla(clients: int, timed_rounds: int, work: Workload, workdir: Path)
 
 
 def measure(clients: int, plan: Plan, work: Workload, workdir: Path) -> dict[str, Any]:
-    model, base = global_params(work.seed)
+    model, base = global_params(work)
     data = load_clients(clients, work)
     params = sum(v.numel() for v in base.values())
     group = vmap_group(data, work, params)
@@ -410,6 +450,14 @@ def measure(clients: int, plan: Plan, work: Workload, workdir: Path) -> dict[str
     def loop_once() -> None:
         bare_loop(model, base, data, sample, work)
 
+    def loop1_once() -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            bare_loop(model, base, data, sample, work)
+        finally:
+            torch.set_num_threads(threads)
+
     # The machine is shared: the baselines alternate, half their repeats before
     # flotilla's run and half after, so a burst of other work is likely to hit each side;
     # and every figure is the best of its runs (the least disturbed one), medians beside.
@@ -417,18 +465,20 @@ def measure(clients: int, plan: Plan, work: Workload, workdir: Path) -> dict[str
     bare_loop(model, base, data, min(sample, 50), work)
     vmap_runs: list[float] = []
     loop_runs: list[float] = []
+    loop1_runs: list[float] = []
 
     def baselines(repeats: int) -> None:
         for _ in range(repeats):
             vmap_runs.append(timed(vmap_once))
             loop_runs.append(timed(loop_once) * clients / sample)
+            loop1_runs.append(timed(loop1_once) * clients / sample)
 
     before = (plan.repeats + 1) // 2
     baselines(before)
     result = run_flotilla(clients, plan.rounds.get(clients, 2), work, workdir)
     baselines(plan.repeats - before)
 
-    vmap_s, loop_s = min(vmap_runs), min(loop_runs)
+    vmap_s, loop_s, loop1_s = min(vmap_runs), min(loop_runs), min(loop1_runs)
     round_s = result["flotilla_round_seconds"]
     return {
         "clients": clients,
@@ -442,6 +492,10 @@ def measure(clients: int, plan: Plan, work: Workload, workdir: Path) -> dict[str
         "vmap_runs": vmap_runs,
         "vmap_group_clients": group,
         "loop_seconds": loop_s,
+        "loop1_seconds": loop1_s,
+        "loop1_median_seconds": statistics.median(loop1_runs),
+        "loop1_runs": loop1_runs,
+        "speedup_vs_loop1": loop1_s / round_s,
         "loop_median_seconds": statistics.median(loop_runs),
         "loop_runs": loop_runs,
         "loop_scaled": sample < clients,
@@ -491,6 +545,12 @@ class Report:
                 f"overhead_us_per_client C={c}", row["overhead_us_per_client"], OVERHEAD_LIMIT_US
             )
         if c == FLOOR_CLIENTS:
+            self.floor(
+                f"speedup_vs_loop1 C={c}",
+                row.get("speedup_vs_loop1"),
+                LOOP1_SPEEDUP_LIMIT[self.work.name],
+                at_most=False,
+            )
             self.floor(f"round_vs_vmap C={c}", row.get("round_vs_vmap"), VMAP_RATIO_LIMIT)
             self.floor(
                 f"speedup_vs_loop C={c}",
@@ -525,6 +585,9 @@ class Report:
             "floor_limits": {
                 "round_vs_vmap": f"<= {VMAP_RATIO_LIMIT} at C = {FLOOR_CLIENTS}",
                 "speedup_vs_loop": f">= {LOOP_SPEEDUP_LIMIT} at C = {FLOOR_CLIENTS}",
+                "speedup_vs_loop1": (
+                    f">= {LOOP1_SPEEDUP_LIMIT[self.work.name]} at C = {FLOOR_CLIENTS}"
+                ),
                 "overhead_us_per_client": f"<= {OVERHEAD_LIMIT_US} at every C",
             },
             "revision": self.revision,
@@ -569,7 +632,8 @@ def summary(report: Report) -> str:
             continue
         parts.append(
             f"C={row['clients']}: flotilla {row['flotilla_round_seconds']:.3f}s, "
-            f"vmap {row['vmap_seconds']:.3f}s, loop {row['loop_seconds']:.2f}s "
+            f"vmap {row['vmap_seconds']:.3f}s, loop {row['loop_seconds']:.2f}s, "
+            f"one-thread loop {row['loop1_seconds']:.2f}s "
             f"({row['round_vs_vmap']:.2f}x vmap, {row['speedup_vs_loop']:.1f}x faster than "
             f"loop, overhead {row['overhead_us_per_client']:.0f} us/client)"
         )
@@ -602,6 +666,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--keep", action="store_true", help="keep the experiment files and output")
     parser.add_argument("--json-only", action="store_true", help="no summary line on stderr")
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="digits",
+        help="the digits MLP, or Flower's MLP 784-128-10 (examples/own_task)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("flotilla").setLevel(logging.WARNING)
@@ -616,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     custom = args.sizes or args.rounds or args.repeats or args.loop_sample
     mode = "custom" if custom else "quick" if args.quick else "full"
-    report = run(plan, mode, Workload(), args.keep)
+    report = run(plan, mode, WORKLOADS[args.workload], args.keep)
     print(json.dumps(report.to_json(), indent=2))
     if not args.json_only:
         print(summary(report), file=sys.stderr)

@@ -374,8 +374,16 @@ class BatchedTrainer:
         scored = self._evaluate(params, vals, path) if any(has_val) else {}
         # All of a client's deltas in one row: handed out back to back in one buffer,
         # which the aggregator folds in one pass per client.
-        flat = torch.cat([params[n].reshape(count, -1) for n in names], dim=1)
-        flat.sub_(torch.cat([base[n].reshape(-1) for n in names]))
+        flat = torch.empty((count, sum(base[n].numel() for n in names)), device=dev)
+        offset = 0
+        for n in names:
+            size = base[n].numel()
+            torch.sub(
+                params[n].reshape(count, size),
+                base[n].reshape(size),
+                out=flat[:, offset : offset + size],
+            )
+            offset += size
         rows_np = flat.cpu().numpy()
         train_cols = {k: v.cpu().numpy().tolist() for k, v in trained.items()}
         val_cols = {k: v.cpu().numpy().tolist() for k, v in scored.items()}
