@@ -43,7 +43,7 @@ PROBE_CLIENTS = 128
 #: Of those, how many are checked against the task's own ``train`` (and time the loop).
 PROBE_CHECKED = 16
 #: How much faster a later way of :data:`PATHS` must be to be chosen over an earlier one.
-PROBE_MARGIN = 1.25
+PROBE_SPEEDUP = 1.25
 
 
 @dataclass(slots=True)
@@ -297,7 +297,7 @@ class BatchedTrainer:
         self.probe = timings
         best, best_s = "loop", math.inf
         for path in self.paths:  # a later way must be clearly faster than an earlier one
-            if path in timings and timings[path] * PROBE_MARGIN < best_s:
+            if path in timings and timings[path] * PROBE_SPEEDUP < best_s:
                 best, best_s = path, timings[path]
         return best
 
