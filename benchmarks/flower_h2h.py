@@ -6,8 +6,9 @@ The workload (``examples/own_task/flower_mlp.py``, docs/simulation.md#bring-your
 an MLP 784-128-10 (101,770 parameters), 50 synthetic examples per client, plain SGD with
 learning rate 0.1, batch 32, one local epoch, FedAvg over every client each round.
 
-Each side runs in a process of its own, so its peak RSS (``wait4``'s ``ru_maxrss``) is its
-own, for C = 100, 1,000 and 10,000 clients:
+Each side runs in a process of its own, so its peak RSS is its own: the most the process
+and every process below it held at once (sampled every 50 ms), or its own ``wait4`` peak
+if larger. For C = 100, 1,000 and 10,000 clients:
 
 - ``flotilla``: ``python -m flotilla simulate examples/own_task/flower-mlp.toml --clients C``
   with every client in every round (``clients_per_round = min_quorum = C``), no plots. A
@@ -89,16 +90,25 @@ class Ran:
 
 
 def run_process(cmd: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> Ran:
-    """Run ``cmd`` to the end; its own peak RSS from ``wait4`` (not its children's)."""
+    """Run ``cmd`` to the end. Its peak RSS: the larger of its own (``wait4``) and the most
+    its whole process tree held at once, sampled every 50 ms (Flower's Ray workers are
+    processes of their own)."""
+    import psutil
+
     start = time.perf_counter()
+    tree_peak = 0
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=out, stderr=err)
         deadline = time.monotonic() + SIDE_TIMEOUT_S
+        root = psutil.Process(proc.pid)
         while True:
+            tree_peak = max(tree_peak, _tree_rss(root))
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
             if time.monotonic() > deadline:
+                for child in root.children(recursive=True):
+                    child.kill()
                 proc.kill()
                 pid, status, usage = os.wait4(proc.pid, 0)
                 break
@@ -110,9 +120,26 @@ def run_process(cmd: Sequence[str], cwd: Path, env: dict[str, str] | None = None
             out.read().decode(errors="replace"),
             err.read().decode(errors="replace"),
             proc.returncode,
-            int(usage.ru_maxrss) * 1024,  # kilobytes on Linux
+            max(int(usage.ru_maxrss) * 1024, tree_peak),  # ru_maxrss: kilobytes on Linux
             time.perf_counter() - start,
         )
+
+
+def _tree_rss(root: Any) -> int:
+    """Resident bytes of ``root`` and every process below it, now."""
+    import psutil
+
+    total = 0
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            continue
+    return total
 
 
 def best_and_median(runs: list[float]) -> dict[str, Any]:
@@ -296,7 +323,7 @@ def run_flower(python: str, clients: int, rounds: int, workdir: Path) -> dict[st
         **best_and_median([b - a for a, b in itertools.pairwise(ends)]),
         "first_round_seconds": ends[0] - got["start"],
         "peak_rss_bytes": ran.peak_rss_bytes,
-        "note": "the driver's own RSS; Ray's worker processes are apart",
+        "note": "the driver and every process below it (Ray's workers) at once",
         "flwr": got["flwr"],
     }
 
