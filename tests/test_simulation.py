@@ -483,6 +483,24 @@ def test_a_round_trains_its_clients_in_arrival_order_a_bounded_batch_at_a_time(
             np.testing.assert_allclose(result.update.delta[name], value, rtol=0, atol=1e-6)
 
 
+def test_every_codec_sends_a_payload_whose_size_the_layout_alone_decides() -> None:
+    """The simulator times each upload before training (SimulatedUplink.payload_bytes):
+    a codec whose payload grew or shrank with the values would break that."""
+    from flotilla.compression import CodecContext, encode_state_with, make_codec
+    from flotilla.compression.registry import CODEC_NAMES
+
+    shapes = {"w": (300, 70), "b": (70,)}
+    rng = np.random.default_rng(0)
+    for name in CODEC_NAMES:
+        codec = make_codec(name, {})
+        sizes = {
+            len(encode_state_with(codec, {k: scale * rng.standard_normal(v).astype(np.float32)
+                                          for k, v in shapes.items()}, CodecContext.seeded(i)))
+            for i, scale in enumerate((0.0, 1e-30, 1e-6, 1.0, 1e3))
+        }  # fmt: skip
+        assert len(sizes) == 1, (name, sizes)
+
+
 def test_the_shard_cache_keeps_what_fits_and_loads_the_rest_when_asked() -> None:
     task = DigitsTask()
     data = DataSection(params={"augment": True, "min_samples": 50, "max_samples": 50})

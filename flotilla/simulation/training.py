@@ -290,7 +290,7 @@ class BatchedTrainer:
                 for first in range(0, len(probe), size):
                     got += self._group(global_state, probe[first : first + size], train, seed, path)
                 seconds = (time.perf_counter() - start) / len(probe)
-            except Exception:
+            except Exception:  # a way this model cannot take is simply not chosen
                 continue
             if _agree(got[:checked], reference):
                 timings[path] = seconds
