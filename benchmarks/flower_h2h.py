@@ -33,6 +33,7 @@ Stdout carries one JSON object; a summary line goes to stderr.
 
     python benchmarks/flower_h2h.py --quick      # C = 100, 1,000, 10,000, fewer rounds
     python benchmarks/flower_h2h.py --flower-python /tmp/flwr-venv/bin/python
+    python benchmarks/flower_h2h.py --devices cuda:0 --sizes 1000,10000   # one GPU
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def best_and_median(runs: list[float]) -> dict[str, Any]:
 # --- flotilla --------------------------------------------------------------------------------
 
 
-def run_flotilla(clients: int, rounds: int, workdir: Path) -> dict[str, Any]:
+def run_flotilla(clients: int, rounds: int, workdir: Path, devices: str) -> dict[str, Any]:
     out = workdir / f"flotilla-{clients}"
     sets = {
         "job.rounds": rounds + 1,
@@ -158,7 +159,8 @@ def run_flotilla(clients: int, rounds: int, workdir: Path) -> dict[str, Any]:
         "population.dropout": 0.0,
     }
     cmd = [sys.executable, "-m", "flotilla", "simulate", str(EXAMPLE), "--clients", str(clients),
-           "--out", str(out), "--no-progress", "--no-plots", "--json"]  # fmt: skip
+           "--out", str(out), "--no-progress", "--no-plots", "--json",
+           "--devices", devices]  # fmt: skip
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
     ran = run_process(cmd, workdir)
@@ -335,11 +337,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
-def measure(clients: int, plan: Plan, flower: str | None, workdir: Path) -> dict[str, Any]:
+def measure(
+    clients: int, plan: Plan, flower: str | None, devices: str, workdir: Path
+) -> dict[str, Any]:
     rounds = plan.rounds.get(clients, 1)
     row: dict[str, Any] = {"clients": clients, "timed_rounds": rounds}
     print(f"C = {clients}: flotilla ...", file=sys.stderr, flush=True)
-    row["flotilla"] = run_flotilla(clients, rounds, workdir)
+    row["flotilla"] = run_flotilla(clients, rounds, workdir, devices)
     print(f"C = {clients}: bare loop ...", file=sys.stderr, flush=True)
     row["loop"] = run_loop(clients, rounds, plan.loop_sample, workdir)
     if flower:
@@ -351,12 +355,12 @@ def measure(clients: int, plan: Plan, flower: str | None, workdir: Path) -> dict
     return row
 
 
-def report(plan: Plan, mode: str, flower: str | None) -> dict[str, Any]:
+def report(plan: Plan, mode: str, flower: str | None, devices: str) -> dict[str, Any]:
     load = [list(os.getloadavg())]
     rows = []
     with tempfile.TemporaryDirectory(prefix="flotilla-h2h-") as tmp:
         for clients in plan.sizes:
-            rows.append(measure(clients, plan, flower, Path(tmp)))
+            rows.append(measure(clients, plan, flower, devices, Path(tmp)))
     load.append(list(os.getloadavg()))
     by_size = {r["clients"]: r for r in rows}
     floors = []
@@ -392,6 +396,7 @@ def report(plan: Plan, mode: str, flower: str | None) -> dict[str, Any]:
         },
         "plan": {"sizes": list(plan.sizes), "timed_rounds": plan.rounds},
         "flower": flower,
+        "devices": devices,
         "sizes": rows,
         "floors": floors,
         "self_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -417,6 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default=None, help="client counts, e.g. 1000,10000")
     parser.add_argument("--flower-python", default=None, metavar="PY",
                         help="a Python with flwr[simulation]: run Flower too")  # fmt: skip
+    parser.add_argument("--devices", default="cpu",
+                        help="where flotilla trains: cpu, or cuda:0 for one GPU")  # fmt: skip
     parser.add_argument("--bare-loop", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--trained", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)
@@ -429,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sizes:
         sizes = tuple(int(s) for s in args.sizes.split(","))
         plan = Plan(sizes, {c: plan.rounds.get(c, 1) for c in sizes}, plan.loop_sample)
-    result = report(plan, "quick" if args.quick else "full", args.flower_python)
+    result = report(plan, "quick" if args.quick else "full", args.flower_python, args.devices)
     print(json.dumps(result, indent=2))
     print(summary(result), file=sys.stderr)
     return 0
