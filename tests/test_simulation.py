@@ -470,10 +470,12 @@ def test_a_round_trains_its_clients_in_arrival_order_a_bounded_batch_at_a_time(
     got, freed = run_simulated(run())
     assert freed == 60
     sizes = [len(clients) for clients, _ in trainer.calls]
-    assert sizes == [7, 7, 7, 7, 7], "batches of 7, and none after the 30th update"
+    # Batches 0-4 hold the 30 updates taken; 5-8 arrive after the round closed: untrained.
+    assert sizes == [7] * 5, "batches of 7, and none after the 30th update"
     handed = [handed for _, handed in trainer.calls]
     assert handed == [0, 7, 14, 21, 28], "each batch was handed out before the next trained"
     trained = [c for clients, _ in trainer.calls for c in clients]
+    assert len(set(trained)) == len(trained) == 35
     assert [int(r.update.device_id.split("-")[1]) for r in got] == trained[:30]
     at_once = LoopTrainer(task, ShardCache(task, 60)).train(
         model, trained[:30], TrainSection(), DataSection(), seed=5

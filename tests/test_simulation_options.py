@@ -247,3 +247,18 @@ def test_the_own_task_example_of_the_docs_runs_from_any_directory(tmp_path: Path
     got = rows(tmp_path / "o")
     assert [(r["round"], r["updates"]) for r in got] == [(1, 40.0), (2, 40.0)]
     assert all(r["train_loss"] > 0 and "client_accuracy" not in r for r in got)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("trainer", ["loop", "auto"])
+def test_a_task_that_fails_to_train_stops_the_run_with_its_error(
+    tmp_path: Path, trainer: str
+) -> None:
+    """Not a round retried until the time limit: clients train in the event loop's
+    callbacks, whose exceptions asyncio would only log."""
+    overrides = ["job.task=tests.support.broken_task:BrokenDigits", f"simulation.trainer={trainer}"]
+    experiment = load_experiment(experiment_file(tmp_path), overrides)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="this task cannot train"):
+        run_experiment(experiment, tmp_path / "out", progress=False, plots=False)
+    assert time.monotonic() - started < 60

@@ -61,6 +61,10 @@ class _Round:
     pending: set[str]
     results: asyncio.Queue[RoundResult] = field(default_factory=asyncio.Queue)
     closed: bool = False
+    #: The round's batches of clients, in arrival order.
+    batches: list[list[_Planned]] = field(default_factory=list)
+    #: Why training failed: the engine's stream raises it, as a failed dispatch would.
+    error: Exception | None = None
 
 
 class _Stream:
@@ -76,7 +80,10 @@ class _Stream:
     async def __anext__(self) -> RoundResult:
         open_round = self._open_round
         if not open_round.closed and (open_round.pending or not open_round.results.empty()):
-            return await open_round.results.get()
+            result = await open_round.results.get()
+            if open_round.error is not None:
+                raise open_round.error
+            return result
         await self.aclose()
         raise StopAsyncIteration
 
@@ -169,6 +176,7 @@ class SimBackend:
     ) -> None:
         self.fleet = fleet
         self.deltas_in_flight_bytes = deltas_in_flight_bytes
+
         self.state_dir = state_dir
         #: Told when a device is done with its job (the lease owner frees it).
         self.events = events
@@ -230,19 +238,19 @@ class SimBackend:
             planned.sort(key=lambda p: p.arrival)  # stable: ties keep the selection's order
             model = self._global(task, config)
             size = max(1, self.deltas_in_flight_bytes // (4 * _parameters(task.layout)))
-            for start in range(0, len(planned), size):
-                batch = planned[start : start + size]
-                loop.call_at(batch[0].arrival, self._train, open_round, model, batch, now)
+            open_round.batches = [planned[i : i + size] for i in range(0, len(planned), size)]
+            for index, batch in enumerate(open_round.batches):
+                loop.call_at(batch[0].arrival, self._train, open_round, model, index, now)
         return _Stream(self, open_round)
 
-    def _train(
-        self, open_round: _Round, model: ModelState, batch: list[_Planned], dispatched: float
-    ) -> None:
-        """Train ``batch`` and schedule each update's arrival; a batch the round no longer
-        wants is only let go, at the same times, when no client state depends on it."""
+    def _train(self, open_round: _Round, model: ModelState, index: int, dispatched: float) -> None:
+        """Train batch ``index`` and schedule each update's arrival; a batch the round no
+        longer wants is only let go, at the same times, when no client state depends on
+        it."""
         loop = asyncio.get_running_loop()
         task = open_round.task
         job = self._job(task)
+        batch = open_round.batches[index]
         if open_round.closed and job.pipeline.stateless:
             for p in batch:
                 loop.call_at(p.arrival, self._let_go, open_round, p.device_id)
@@ -251,7 +259,12 @@ class SimBackend:
         epochs = config.train.local_epochs
         trainer = self.trainers[task.order.task]
         indices = [p.device.index for p in batch]
-        results = trainer.train(model, indices, config.train, config.data, task.order.seed)
+        try:
+            results = trainer.train(model, indices, config.train, config.data, task.order.seed)
+        except Exception as exc:  # a callback's exception would only be logged: hand it on
+            open_round.error = exc
+            open_round.results.put_nowait(Failed(batch[0].device_id, "training failed"))
+            return
         for p, result in zip(batch, results, strict=True):
             delta, up = job.pipeline(p.device.index, result.delta)
             seconds, compute = self._seconds(
