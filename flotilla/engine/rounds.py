@@ -438,21 +438,21 @@ class JobRunner:
         return {"bytes_up": up, "bytes_down": down, "compression_ratio": raw / up}
 
 
-#: What devices report that a round keeps, as the sample-weighted mean over its updates:
+#: What devices report (name, kept as) that a round keeps, as the sample-weighted mean:
 #: their training loss and accuracy, and their own validation (``accuracy`` and ``loss``
 #: on the device's held-back examples, kept as ``client_accuracy`` and ``client_loss``).
-DEVICE_METRICS = {
-    LOSS_METRIC: LOSS_METRIC,
-    "train_accuracy": "train_accuracy",
-    "accuracy": "client_accuracy",
-    "loss": "client_loss",
-}
+DEVICE_METRICS = (
+    (LOSS_METRIC, LOSS_METRIC),
+    ("train_accuracy", "train_accuracy"),
+    ("accuracy", "client_accuracy"),
+    ("loss", "client_loss"),
+)
 
 
 def _device_means(accepted: Sequence[ParticipationRecord]) -> dict[str, float]:
     """Each of :data:`DEVICE_METRICS` the updates report, weighted by their samples."""
     means: dict[str, float] = {}
-    for reported, kept in DEVICE_METRICS.items():
+    for reported, kept in DEVICE_METRICS:
         vals = [(p.metrics[reported], p.num_samples) for p in accepted if reported in p.metrics]
         weight = sum(n for _, n in vals)
         if vals and weight > 0:
