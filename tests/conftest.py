@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +29,27 @@ if TYPE_CHECKING:
 # thread pools fight over the cores and a 5 ms step takes 50 ms. Set before any test
 # imports torch; agents and servers inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """This test process's temporary files, and those of every process it starts, in one
+    short directory removed at the end: a process killed with SIGKILL cannot remove its
+    own (an agent's hivemind identity, say). Short, because UNIX sockets made there must
+    fit 107 bytes. pytest's own ``tmp_path`` directories stay where they were."""
+    tmp_path_factory.getbasetemp()  # settled before the default temporary directory moves
+    path = Path(tempfile.mkdtemp(prefix="fl-t-"))
+    env, default = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(path)
+    try:
+        yield path
+    finally:
+        if env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = env
+        tempfile.tempdir = default
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(params=database_params())
