@@ -39,6 +39,7 @@ def private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     fit 107 bytes. pytest's own ``tmp_path`` directories stay where they were."""
     tmp_path_factory.getbasetemp()  # settled before the default temporary directory moves
     path = Path(tempfile.mkdtemp(prefix="fl-t-"))
+    path.chmod(0o711)  # others may pass through: a private PostgreSQL runs as its own user
     env, default = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"] = tempfile.tempdir = str(path)
     try:
