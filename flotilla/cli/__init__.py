@@ -132,11 +132,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
     experiment = load_experiment(args.experiment, args.set, args.clients, args.seed)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    # SIGTERM and SIGINT both raise KeyboardInterrupt wherever the run is: the exception
-    # unwinds it, so its workers close and its scratch directory is removed (main maps it
-    # to exit code 130). SIGINT needs it too: left to asyncio.run, a SIGINT that lands
-    # while the engine's loop runs only cancels the main task, which ends the run cleanly
-    # with exit code 0.
+    # SIGTERM and SIGINT both raise KeyboardInterrupt wherever the run is, by one handler
+    # of ours: the exception unwinds it, so its workers close and its scratch directory is
+    # removed (main maps it to exit code 130).
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         summary = run_experiment(

@@ -67,10 +67,17 @@ def test_killing_a_test_session_with_sigkill_leaves_no_process_behind(tmp_path: 
         assert session.poll() is None, "the victim session ended before it was ready"
         assert time.monotonic() < deadline, "the victim session never got ready"
         time.sleep(0.2)
-    before = marked(tag)
-    commands = " ".join(before.values())
     # Its server, the volunteer run's coordinator and p2pd, agents, the load run's server
-    # and workers: the tree this test is about.
+    # and workers: the tree this test is about (on a loaded machine the last of them can
+    # start after the session said it was ready).
+    deadline = time.monotonic() + 60.0
+    while True:
+        before = marked(tag)
+        commands = " ".join(before.values())
+        grown = "p2pd" in commands and "flotilla.loadgen.worker" in commands
+        if (grown and len(before) >= 8) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert "p2pd" in commands and "flotilla.loadgen.worker" in commands, before
     assert len(before) >= 8, before
 
