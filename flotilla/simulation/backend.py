@@ -51,18 +51,12 @@ class _Planned:
     jitter: float
 
 
-def _parameters(layout: tuple[TensorSpec, ...]) -> int:
-    return max(1, sum(math.prod(s.shape) for s in layout))
-
-
 @dataclass(slots=True)
 class _Round:
     task: TrainTask
     pending: set[str]
     results: asyncio.Queue[RoundResult] = field(default_factory=asyncio.Queue)
     closed: bool = False
-    #: The round's batches of clients, in arrival order.
-    batches: list[list[_Planned]] = field(default_factory=list)
     #: Why training failed: the engine's stream raises it, as a failed dispatch would.
     error: Exception | None = None
 
@@ -237,20 +231,21 @@ class SimBackend:
         if planned:
             planned.sort(key=lambda p: p.arrival)  # stable: ties keep the selection's order
             model = self._global(task, config)
-            size = max(1, self.deltas_in_flight_bytes // (4 * _parameters(task.layout)))
-            open_round.batches = [planned[i : i + size] for i in range(0, len(planned), size)]
-            for index, batch in enumerate(open_round.batches):
-                loop.call_at(batch[0].arrival, self._train, open_round, model, index, now)
+            delta_bytes = max(1, sum(s.nbytes for s in task.layout))
+            size = max(1, self.deltas_in_flight_bytes // delta_bytes)
+            for start in range(0, len(planned), size):
+                batch = planned[start : start + size]
+                loop.call_at(batch[0].arrival, self._train, open_round, model, batch, now)
         return _Stream(self, open_round)
 
-    def _train(self, open_round: _Round, model: ModelState, index: int, dispatched: float) -> None:
-        """Train batch ``index`` and schedule each update's arrival; a batch the round no
-        longer wants is only let go, at the same times, when no client state depends on
-        it."""
+    def _train(
+        self, open_round: _Round, model: ModelState, batch: list[_Planned], dispatched: float
+    ) -> None:
+        """Train ``batch`` and schedule each update's arrival; a batch the round no longer
+        wants is only let go, at the same times, when no client state depends on it."""
         loop = asyncio.get_running_loop()
         task = open_round.task
         job = self._job(task)
-        batch = open_round.batches[index]
         if open_round.closed and job.pipeline.stateless:
             for p in batch:
                 loop.call_at(p.arrival, self._let_go, open_round, p.device_id)
@@ -332,10 +327,10 @@ class SimBackend:
 
     def _arrive(self, open_round: _Round, update: Update, seconds: float) -> None:
         device_id, job_id = update.device_id, open_round.task.order.job_id
-        open_round.pending.discard(device_id)
-        if open_round.closed:
-            self.events.freed(device_id, job_id)  # stale: it is free to serve again
+        if open_round.closed:  # stale: it is free to serve again
+            self._let_go(open_round, device_id)
             return
+        open_round.pending.discard(device_id)
 
         def settle(reason: str | None) -> None:
             # Accepted or refused, the device is done with this round.

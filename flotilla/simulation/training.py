@@ -251,19 +251,32 @@ class BatchedTrainer:
         params = sum(int(np.prod(v.shape)) for v in global_state.values())
         features = int(np.prod(locals_[0].train[0].shape[1:]))
         size = self.group_size(train, params, features)
+        base = self._base(global_state)
         if self.choice is None:
-            self.choice = self._choose(global_state, clients, locals_, train, data, seed, size)
+            self.choice = self._choose(
+                global_state, base, clients, locals_, train, data, seed, size
+            )
         path = self.choice
         if path == "loop":
             return self._loop.train(global_state, clients, train, data, seed)
         out: list[ClientResult] = []
         for start in range(0, len(locals_), size):
-            out += self._group(global_state, locals_[start : start + size], train, seed, path)
+            out += self._group(base, locals_[start : start + size], train, seed, path)
         return out
+
+    def _base(self, global_state: ModelState) -> dict[str, Any]:
+        """The global model as tensors on this trainer's device, once per call."""
+        import torch
+
+        return {
+            n: torch.from_numpy(np.array(v, dtype=np.float32)).to(self.device)
+            for n, v in global_state.items()
+        }
 
     def _choose(
         self,
         global_state: ModelState,
+        base: dict[str, Any],
         clients: Sequence[int],
         locals_: list[Any],
         train: TrainSection,
@@ -284,11 +297,11 @@ class BatchedTrainer:
             if path == "loop":
                 continue
             try:
-                self._group(global_state, probe[:2], train, seed, path)  # warm-up
+                self._group(base, probe[:2], train, seed, path)  # warm-up
                 start = time.perf_counter()
                 got = []
                 for first in range(0, len(probe), size):
-                    got += self._group(global_state, probe[first : first + size], train, seed, path)
+                    got += self._group(base, probe[first : first + size], train, seed, path)
                 seconds = (time.perf_counter() - start) / len(probe)
             except Exception:  # a way this model cannot take is simply not chosen
                 continue
@@ -303,7 +316,7 @@ class BatchedTrainer:
 
     def _group(
         self,
-        global_state: ModelState,
+        base: dict[str, Any],
         locals_: list[Any],
         cfg: TrainSection,
         seed: int,
@@ -316,10 +329,7 @@ class BatchedTrainer:
         x_train, y_train, counts = _stack([d.train for d in locals_], dev)
         shuffle = bool(getattr(self.task, "shuffle_batches", True))
         index, mask = _schedule(counts, cfg.batch_size, cfg.local_epochs, seed, shuffle, dev)
-        names = list(global_state)
-        base = {
-            n: torch.from_numpy(np.array(global_state[n], dtype=np.float32)).to(dev) for n in names
-        }
+        names = list(base)
         # Each parameter contiguous per client, as batched matrix products want them.
         params = {n: base[n].expand(count, *base[n].shape).clone() for n in names}
         step = self._stacked_step(base, cfg) if path == "stacked" else self._vmap_step(base, cfg)
@@ -435,15 +445,11 @@ class BatchedTrainer:
         ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
             leaves = {n: params[n].detach().requires_grad_() for n in names}
             stacked.bind(leaves)
-            out = stacked(x)
-            per = losses_of(out.flatten(0, 1), y.flatten(0, 1)).view(m.shape) * m
-            seen = m.sum(dim=1)
-            loss = per.sum(dim=1) / seen.clamp(min=1.0)
+            loss, correct, seen = _masked_scores(losses_of, stacked(x), y, m)
             if mu > 0:
                 prox = sum(((leaves[n] - base[n]) ** 2).flatten(1).sum(dim=1) for n in names)
                 loss = loss + 0.5 * mu * prox
             grads = torch.autograd.grad(loss.sum(), [leaves[n] for n in names])
-            correct = ((out.detach().argmax(dim=-1) == y).float() * m).sum(dim=1)
             return dict(zip(names, grads, strict=True)), (loss.detach() * seen, correct)
 
         return step
@@ -457,27 +463,34 @@ class BatchedTrainer:
             torch.arange(x.shape[1], device=self.device).unsqueeze(0) < counts.unsqueeze(1)
         ).float()
         losses_of, model = self.task.example_losses, self._model
-
-        def score(
-            p: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor, m: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            out = functional_call(model, p, (xs,))
-            seen = m.sum().clamp(min=1.0)
-            loss = (losses_of(out, ys) * m).sum() / seen
-            acc = ((out.argmax(dim=-1) == ys).float() * m).sum() / seen
-            return loss, acc
-
         with torch.no_grad():
             if path == "stacked" and self._stacked is not None:
                 self._stacked.bind(params)
-                out = self._stacked(x)
-                per = losses_of(out.flatten(0, 1), y.flatten(0, 1)).view(mask.shape)
-                seen = mask.sum(dim=1).clamp(min=1.0)
-                loss = (per * mask).sum(dim=1) / seen
-                acc = ((out.argmax(dim=-1) == y).float() * mask).sum(dim=1) / seen
+                loss, correct, seen = _masked_scores(losses_of, self._stacked(x), y, mask)
+                acc = correct / seen.clamp(min=1.0)
             else:
+
+                def score(
+                    p: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor, m: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+                    out = functional_call(model, p, (xs,))
+                    seen = m.sum().clamp(min=1.0)
+                    loss = (losses_of(out, ys) * m).sum() / seen
+                    acc = ((out.argmax(dim=-1) == ys).float() * m).sum() / seen
+                    return loss, acc
+
                 loss, acc = vmap(score)(params, x, y, mask)
         return {"loss": loss, "accuracy": acc, "num_samples": counts.float()}
+
+
+def _masked_scores(losses_of: Any, out: Any, y: Any, m: Any) -> tuple[Any, Any, Any]:
+    """Per client of a stacked batch (``out``: clients x batch x ...): the mean loss over
+    its real examples (``m`` marks them), its correct predictions, and how many were real."""
+    seen = m.sum(dim=1)
+    per = losses_of(out.flatten(0, 1), y.flatten(0, 1)).view(m.shape) * m
+    loss = per.sum(dim=1) / seen.clamp(min=1.0)
+    correct = ((out.detach().argmax(dim=-1) == y).float() * m).sum(dim=1)
+    return loss, correct, seen
 
 
 def _agree(got: list[ClientResult], reference: list[ClientResult]) -> bool:

@@ -27,8 +27,6 @@ def test_start_everything_then_wait_to_be_killed(tmp_path: Path) -> None:
     server.start(timeout=120)
     fleet = AgentFleet(server, server.token(), tmp_path)
     fleet.start(2, task=TASK)
-    # Its agents' temporary directory, which only the killing test can remove.
-    Path(f"{ready}.scratch").write_text(str(fleet.scratch))
     load = subprocess.Popen(
         bound([sys.executable, "-m", "flotilla", "bench", "load", "--devices", "20",
                "--duration", "600", "--workdir", str(tmp_path / "load")]),

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -179,19 +176,12 @@ class AgentFleet:
     token: str
     logs: Path
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    scratch: Path | None = None
 
     def start(
         self, count: int, task: str = DIGITS, extra: tuple[str, ...] = (), of: int | None = None
     ) -> None:
-        """``count`` agents on shards ``0..count-1`` of ``of`` (default ``count``). Their
-        temporary files go in a directory of the fleet's, removed by :meth:`stop`: an
-        agent killed with SIGKILL cannot remove its own. It is short (``/tmp/fl-...``), not
-        under the test's long path: UNIX sockets made there (torch's shared-memory
-        manager, hivemind's) must fit 107 bytes."""
-        if self.scratch is None:
-            self.scratch = Path(tempfile.mkdtemp(prefix="fl-"))
-        env = {**os.environ, "TMPDIR": str(self.scratch)}
+        """``count`` agents on shards ``0..count-1`` of ``of`` (default ``count``); their
+        temporary files go to the test process's own (``private_tmpdir`` in conftest)."""
         for i in range(count):
             log = (self.logs / f"agent-{len(self.procs)}.log").open("ab")
             cmd = [
@@ -199,9 +189,7 @@ class AgentFleet:
                 "--server", self.server.address, f"--token={self.token}",
                 "--task", task, "--shard", f"{i}/{of or count}", *extra,
             ]  # fmt: skip
-            self.procs.append(
-                subprocess.Popen(bound(cmd), stdout=log, stderr=subprocess.STDOUT, env=env)
-            )
+            self.procs.append(subprocess.Popen(bound(cmd), stdout=log, stderr=subprocess.STDOUT))
 
     def alive(self) -> int:
         return sum(p.poll() is None for p in self.procs)
@@ -216,9 +204,6 @@ class AgentFleet:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
-            self.scratch = None
 
 
 def terminate_all(procs: list[subprocess.Popen[str]], wait_s: float = 20.0) -> None:
