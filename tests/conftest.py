@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -38,6 +39,8 @@ def private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     own (an agent's hivemind identity, say). Short, because UNIX sockets made there must
     fit 107 bytes. pytest's own ``tmp_path`` directories stay where they were."""
     tmp_path_factory.getbasetemp()  # settled before the default temporary directory moves
+    # multiprocessing's own directory too: it removes that itself at exit, after this ends.
+    multiprocessing.util.get_temp_dir()
     path = Path(tempfile.mkdtemp(prefix="fl-t-"))
     path.chmod(0o711)  # others may pass through: a private PostgreSQL runs as its own user
     env, default = os.environ.get("TMPDIR"), tempfile.tempdir

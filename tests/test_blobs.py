@@ -5,13 +5,18 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from flotilla.core.blobs import BlobAssembler, iter_chunks, sha256_hex
-from flotilla.core.blobstore import BlobStore
+from flotilla.core.blobstore import ABANDONED_WRITE_AGE_S, BlobStore
 from flotilla.core.errors import IntegrityError, NotFoundError, WireError
+from tests.support.lifetime import bound
 
 # Seeded, not os.urandom: SHA names parametrized tests, and pytest-xdist needs every worker
 # to collect the same test ids.
@@ -122,6 +127,33 @@ def test_put_leaves_no_temporary_files(store: BlobStore) -> None:
     files = _files(store.root)
     assert sorted(files) == sorted(store.path(s) for s in shas)
     assert not [p for p in files if p.name.startswith(".tmp")]
+
+
+def test_opening_the_store_removes_only_abandoned_writes(tmp_path: Path) -> None:
+    """Servers of a deployment share one state directory: one that starts must not remove
+    the others' writes in progress, only those a crash cut short."""
+    root, host = tmp_path / "blobs", socket.gethostname()
+    root.mkdir()
+    alive = subprocess.Popen(bound([sys.executable, "-c", "import time; time.sleep(60)"]))
+    dead = subprocess.Popen(bound([sys.executable, "-c", "pass"]))
+    dead.wait(30)
+    try:
+        in_progress = root / f".tmp-{alive.pid}@{host}~abc"
+        crashed = root / f".tmp-{dead.pid}@{host}~abc"
+        elsewhere = root / ".tmp-1@another-host~abc"
+        old_style, stale = root / ".tmp-k3j2l1", root / ".tmp-2@another-host~abc"
+        for path in (in_progress, crashed, elsewhere, old_style, stale):
+            path.write_bytes(b"partial")
+        day_ago = time.time() - ABANDONED_WRITE_AGE_S - 60
+        for path in (old_style, stale):
+            os.utime(path, (day_ago, day_ago))
+        BlobStore(root)
+        assert sorted(p.name for p in root.iterdir()) == sorted(
+            p.name for p in (in_progress, elsewhere)
+        )
+    finally:
+        alive.kill()
+        alive.wait(30)
 
 
 def test_corrupt_file_on_disk_is_detected(store: BlobStore) -> None:

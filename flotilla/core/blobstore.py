@@ -6,15 +6,38 @@ import errno
 import hashlib
 import mmap
 import os
+import socket
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from flotilla.core.blobs import CHUNK_BYTES, sha256_hex
 from flotilla.core.errors import IntegrityError, NotFoundError, StorageUnavailable
+from flotilla.core.lifetime import gone_here
 
 #: A write that failed for want of space: nothing is wrong with the blob, retry later.
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+#: A write in progress: ``.tmp-PID@HOST~RANDOM``, renamed into place when whole.
+_TMP = ".tmp-"
+#: A temporary file nobody touched for this long is a write its writer abandoned, whoever
+#: that was (another machine's, or one named the old way).
+ABANDONED_WRITE_AGE_S = 24 * 3600.0
+
+
+def _abandoned(path: Path, now: float) -> bool:
+    """A write a crash cut short: its writer, a process of this machine, is gone, or it
+    has not been touched for :data:`ABANDONED_WRITE_AGE_S`."""
+    pid_text, at, rest = path.name.removeprefix(_TMP).partition("@")
+    host = rest.rpartition("~")[0]
+    if at and pid_text.isdigit() and gone_here(host, int(pid_text)):
+        return True
+    try:
+        return now - path.stat().st_mtime > ABANDONED_WRITE_AGE_S
+    except FileNotFoundError:
+        return False
 
 
 def _unavailable(exc: OSError) -> StorageUnavailable:
@@ -34,8 +57,13 @@ class BlobStore:
         #: Blobs this process wrote or already hashed: immutable, so not hashed again on
         #: every round that maps them.
         self._verified: set[str] = set()
-        for leftover in self.root.glob("**/.tmp-*"):  # writes a crash cut short
-            leftover.unlink(missing_ok=True)
+        #: Temporary files are named after their writer: servers sharing the directory
+        #: must not remove each other's writes in progress.
+        self._prefix = f"{_TMP}{os.getpid()}@{socket.gethostname()}~"
+        now = time.time()
+        for leftover in self.root.glob(f"**/{_TMP}*"):
+            if _abandoned(leftover, now):
+                leftover.unlink(missing_ok=True)
 
     def path(self, sha256: str) -> Path:
         if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
@@ -53,7 +81,7 @@ class BlobStore:
         """
         digest = hashlib.sha256()
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=self._prefix)
         except OSError as exc:
             if exc.errno in _DISK_FULL:
                 raise _unavailable(exc) from exc

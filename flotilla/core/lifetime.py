@@ -14,6 +14,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -44,6 +45,20 @@ def end_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(1)
+
+
+def gone_here(host: str, pid: int) -> bool:
+    """Whether ``host`` is this machine and its process ``pid`` no longer runs (never
+    this process). A process of another machine is never known to be gone."""
+    if host != socket.gethostname() or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
 
 
 def stop_on_signals() -> threading.Event:

@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 
 from flotilla.core.errors import LeaseLost, StorageUnavailable
+from flotilla.core.lifetime import gone_here
 from flotilla.core.records import JobLease, JobRecord, LeaseFence, RoundCommit, ServerPresence
 from flotilla.server.federation.store import Store
 
@@ -49,18 +50,7 @@ def dead_here(holder: str) -> bool:
     """Whether ``holder`` names a process of this machine that no longer runs."""
     host, _, rest = holder.partition(":")
     pid_text = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid_text.isdigit():
-        return False
-    pid = int(pid_text)
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, someone else's
-        return False
-    return False
+    return pid_text.isdigit() and gone_here(host, int(pid_text))
 
 
 class JobPlacement:

@@ -37,7 +37,8 @@ from flotilla.server.http.staging import StagedUpload, UploadStaging
 
 @dataclass(frozen=True, slots=True)
 class DeviceSettings:
-    #: Where partial uploads are staged (emptied at start): STATE_DIR/device-uploads.
+    #: Where partial uploads are staged, one directory per server process:
+    #: STATE_DIR/device-uploads.
     staging_dir: Path
     timeouts: Timeouts = field(default_factory=Timeouts)
     #: All staged partial uploads together; beyond it a new upload is told to retry (503).

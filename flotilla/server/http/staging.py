@@ -19,12 +19,14 @@ import hashlib
 import os
 import secrets
 import shutil
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flotilla.core.blobs import CHUNK_BYTES
 from flotilla.core.errors import ConflictError, NotFoundError, StaleRoundError, Unreachable
+from flotilla.core.lifetime import gone_here
 from flotilla.core.work import Reservation, UploadHeader
 from flotilla.server.http.byteranges import ByteRanges
 
@@ -54,17 +56,26 @@ class StagedUpload:
 
 
 class UploadStaging:
-    """The staged uploads of one server, under ``root`` (emptied at start and stop)."""
+    """The staged uploads of one server process, in its own directory under ``parent``
+    (``PID@HOST``): servers of a deployment share a state directory, and one that starts
+    or stops must not remove another's uploads in progress."""
 
-    def __init__(self, root: Path, max_bytes: int, clock: Callable[[], float]) -> None:
-        self._root = root
+    def __init__(self, parent: Path, max_bytes: int, clock: Callable[[], float]) -> None:
+        self._parent = parent
+        self._root = parent / f"{os.getpid()}@{socket.gethostname()}"
         self._max_bytes = max_bytes
         self._clock = clock
         self._uploads: dict[str, StagedUpload] = {}
 
     def open(self) -> None:
-        shutil.rmtree(self._root, ignore_errors=True)  # a previous run's rounds are over
-        self._root.mkdir(parents=True, exist_ok=True)
+        """Empty this process's directory, and remove those of processes of this machine
+        that are gone (their rounds are over)."""
+        self._parent.mkdir(parents=True, exist_ok=True)
+        for other in self._parent.iterdir():
+            pid_text, _, host = other.name.partition("@")
+            if other == self._root or (pid_text.isdigit() and gone_here(host, int(pid_text))):
+                shutil.rmtree(other, ignore_errors=True)
+        self._root.mkdir()
 
     def close(self) -> None:
         self._uploads.clear()
