@@ -247,13 +247,15 @@ class InOrderDigits(DigitsTask):
     shuffle_batches = False
 
 
+@pytest.mark.parametrize("mu", [0.05, 0.0], ids=["prox", "no-prox"])
 @pytest.mark.parametrize("path", ["stacked", "vmap"])
 @pytest.mark.parametrize("task_class", [DigitsTask, InOrderDigits])
 def test_batched_training_equals_the_per_client_loop(
-    task_class: type[DigitsTask], path: str
+    task_class: type[DigitsTask], path: str, mu: float
 ) -> None:
-    """Unequal shards, two epochs, momentum, weight decay and a FedProx term; batches
-    shuffled or in order, as the task takes them."""
+    """Unequal shards, two epochs, momentum, weight decay, with and without a FedProx
+    term (without one, the stacked way folds weight gradients straight into the weights);
+    batches shuffled or in order, as the task takes them."""
     from flotilla.tasks import model_state
 
     task = task_class()
@@ -264,7 +266,7 @@ def test_batched_training_equals_the_per_client_loop(
         learning_rate=0.05,
         momentum=0.9,
         weight_decay=1e-3,
-        proximal_mu=0.05,
+        proximal_mu=mu,
     )
     shards = ShardCache(task, 500)
     clients = list(range(0, 500, 17))
@@ -292,9 +294,10 @@ def test_batched_training_equals_the_per_client_loop(
     "train",
     [
         TrainSection(learning_rate=0.1, momentum=0.0),  # Flower's workload: plain SGD
+        TrainSection(learning_rate=0.1, momentum=0.0, weight_decay=1e-2),
         TrainSection(local_epochs=2, weight_decay=1e-3, proximal_mu=0.05),
     ],
-    ids=["plain-sgd", "momentum-decay-prox"],
+    ids=["plain-sgd", "sgd-decay", "momentum-decay-prox"],
 )
 def test_batched_training_equals_the_loop_on_flowers_mlp_task(
     train: TrainSection, path: str

@@ -14,24 +14,49 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 
+@dataclass(frozen=True, slots=True)
+class Outer:
+    """A stacked linear layer's weight gradient left as its two factors, ``grad_out^T @
+    x`` per client: an optimizer step can fold it straight into the weight (one
+    ``baddbmm_``) instead of writing the gradient out and reading it back."""
+
+    grad_out: torch.Tensor  # (clients, rows, out)
+    x: torch.Tensor  # (clients, rows, in)
+
+    def tensor(self) -> torch.Tensor:
+        return torch.bmm(self.grad_out.transpose(1, 2), self.x)
+
+    def take(self, rows: torch.Tensor) -> Outer:
+        """The factors of some clients only."""
+        return Outer(self.grad_out[rows], self.x[rows])
+
+
 class _BatchedLinear(torch.autograd.Function):
     """``x @ W^T + b`` per client, with the backward pass written out: the weight's
     gradient comes out as ``grad_out^T @ x``, laid out as the weight is (autograd's own
     rule for ``baddbmm`` over a transposed weight gives it transposed, and slower), and the
-    input's only when something upstream needs it."""
+    input's only when something upstream needs it. A layer that defers its gradients
+    (:attr:`StackedLinear.deferred`) is handed them as :class:`Outer` factors and the
+    bias's sum instead, and autograd gets none for either."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        layer: StackedLinear,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        ctx.layer = layer
         w = weight.transpose(1, 2)
         if bias is None:
             return torch.bmm(x, w)
@@ -40,12 +65,16 @@ class _BatchedLinear(torch.autograd.Function):
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         grad_x = torch.bmm(grad_out, weight) if ctx.needs_input_grad[0] else None
+        grad_b = grad_out.sum(dim=1) if ctx.has_bias else None
+        layer: StackedLinear = ctx.layer
+        if layer.deferred:
+            layer.grads = (Outer(grad_out.detach(), x.detach()), grad_b)
+            return grad_x, None, None, None
         grad_w = torch.bmm(grad_out.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
-        grad_b = grad_out.sum(dim=1) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b if ctx.needs_input_grad[2] else None, None
 
 
 class StackedLinear(nn.Module):
@@ -56,10 +85,13 @@ class StackedLinear(nn.Module):
         super().__init__()
         self.weight = torch.empty(0)
         self.bias: torch.Tensor | None = None
+        #: Whether the backward pass leaves the gradients in :attr:`grads`.
+        self.deferred = False
+        self.grads: tuple[Outer, torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(x.shape[0], -1, x.shape[-1])
-        out: torch.Tensor = _BatchedLinear.apply(flat, self.weight, self.bias)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _BatchedLinear.apply(flat, self.weight, self.bias, self)  # type: ignore[no-untyped-call]
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -70,11 +102,28 @@ class StackedModel:
         self.module = module
         self._layers = layers
 
-    def bind(self, params: Mapping[str, torch.Tensor]) -> None:
-        """Use ``params`` (the model's own names -> (clients, *shape)) from now on."""
+    def bind(self, params: Mapping[str, torch.Tensor], deferred: bool = False) -> None:
+        """Use ``params`` (the model's own names -> (clients, *shape)) from now on;
+        ``deferred``: the backward pass leaves the gradients to :meth:`deferred_grads`."""
         for prefix, layer in self._layers.items():
             layer.weight = params[f"{prefix}weight"]
             layer.bias = params.get(f"{prefix}bias")
+            layer.deferred = deferred
+            layer.grads = None
+
+    def deferred_grads(self) -> dict[str, torch.Tensor | Outer]:
+        """Each parameter's gradient from the last backward pass of a deferred binding:
+        weights as :class:`Outer` factors, biases as tensors."""
+        out: dict[str, torch.Tensor | Outer] = {}
+        for prefix, layer in self._layers.items():
+            if layer.grads is None:
+                raise RuntimeError(f"layer {prefix!r} had no backward pass")
+            weight, bias = layer.grads
+            out[f"{prefix}weight"] = weight
+            if bias is not None:
+                out[f"{prefix}bias"] = bias
+            layer.grads = None
+        return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Outputs ``(clients, batch, ...)`` for inputs ``(clients, batch, ...)``."""

@@ -19,12 +19,16 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 
 from flotilla.core.spec import DataSection, TrainSection
 from flotilla.core.tensors import FlatState, ModelState, TensorSpec
+from flotilla.simulation.allocator import keep_freed_memory
+
+if TYPE_CHECKING:
+    from flotilla.simulation.stacked import Outer
 
 #: Memory a batched group works in on a CPU: small enough that a group's parameters,
 #: gradients and batches stay in the caches (measured on Flower's MLP and the digits MLP:
@@ -324,6 +328,8 @@ class BatchedTrainer:
     ) -> list[ClientResult]:
         import torch
 
+        from flotilla.simulation.stacked import Outer
+
         dev = self.device
         count = len(locals_)
         x_train, y_train, counts = _stack([d.train for d in locals_], dev)
@@ -355,22 +361,13 @@ class BatchedTrainer:
             rows_on = None if bool(active.all()) else active.nonzero().squeeze(1)
             for n in names:
                 p, g = params[n], grads[n]
-                if rows_on is not None:
-                    p, g = p[rows_on], g[rows_on]
-                if decay:
-                    g.add_(p, alpha=decay)
-                if momentum:
-                    if t == 0:
-                        buf = g
-                    else:
-                        buf = bufs[n] if rows_on is None else bufs[n][rows_on]
-                        buf.mul_(momentum).add_(g)
-                    g = buf
-                p.add_(g, alpha=-lr)
                 if rows_on is None:
-                    if momentum:
-                        bufs[n] = buf
+                    bufs[n] = _sgd(p, g, bufs.get(n), t == 0, lr, momentum, decay)
                     continue
+                p = p[rows_on]
+                g = g.take(rows_on) if isinstance(g, Outer) else g[rows_on]
+                buf = None if t == 0 or not momentum else bufs[n][rows_on]
+                buf = _sgd(p, g, buf, t == 0, lr, momentum, decay)
                 params[n][rows_on] = p
                 if momentum:
                     if t == 0:
@@ -442,13 +439,18 @@ class BatchedTrainer:
 
         def step(
             params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, m: torch.Tensor
-        ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        ) -> tuple[dict[str, torch.Tensor | Outer], tuple[torch.Tensor, torch.Tensor]]:
             leaves = {n: params[n].detach().requires_grad_() for n in names}
-            stacked.bind(leaves)
+            # Without a proximal term the layers' own backward passes give every gradient:
+            # the weights' stay factored, for the update to fold in (_sgd).
+            deferred = mu == 0
+            stacked.bind(leaves, deferred=deferred)
             loss, correct, seen = _masked_scores(losses_of, stacked(x), y, m)
-            if mu > 0:
-                prox = sum(((leaves[n] - base[n]) ** 2).flatten(1).sum(dim=1) for n in names)
-                loss = loss + 0.5 * mu * prox
+            if deferred:
+                loss.sum().backward()
+                return stacked.deferred_grads(), (loss.detach() * seen, correct)
+            prox = sum(((leaves[n] - base[n]) ** 2).flatten(1).sum(dim=1) for n in names)
+            loss = loss + 0.5 * mu * prox
             grads = torch.autograd.grad(loss.sum(), [leaves[n] for n in names])
             return dict(zip(names, grads, strict=True)), (loss.detach() * seen, correct)
 
@@ -481,6 +483,36 @@ class BatchedTrainer:
 
                 loss, acc = vmap(score)(params, x, y, mask)
         return {"loss": loss, "accuracy": acc, "num_samples": counts.float()}
+
+
+def _sgd(p: Any, g: Any, buf: Any, first: bool, lr: float, momentum: float, decay: float) -> Any:
+    """One ``torch.optim.SGD`` step of stacked parameters ``p`` in place (dampening 0, no
+    Nesterov); the momentum buffer after it (None without momentum). A weight gradient
+    given as :class:`Outer` factors is folded in by one ``baddbmm_``, never written out."""
+    import torch
+
+    from flotilla.simulation.stacked import Outer
+
+    if isinstance(g, Outer):
+        a, b = g.grad_out.transpose(1, 2), g.x
+        if not momentum:
+            p.baddbmm_(a, b, beta=1.0 - lr * decay, alpha=-lr)
+            return None
+        if first:
+            buf = torch.baddbmm(p, a, b, beta=decay)  # g + decay * p
+        else:
+            buf.baddbmm_(a, b, beta=momentum)
+            if decay:
+                buf.add_(p, alpha=decay)
+        p.add_(buf, alpha=-lr)
+        return buf
+    if decay:
+        g.add_(p, alpha=decay)
+    if momentum:
+        buf = g if first else buf.mul_(momentum).add_(g)
+        g = buf
+    p.add_(g, alpha=-lr)
+    return buf if momentum else None
 
 
 def _masked_scores(losses_of: Any, out: Any, y: Any, m: Any) -> tuple[Any, Any, Any]:
@@ -578,7 +610,9 @@ def make_trainer(
 ) -> ClientTrainer:
     """``batched`` None: a batchable task's trainer chooses by its probe among every way,
     the loop included; True: the batched ways only; False (or a task that is not
-    batchable): the task's own loop."""
+    batchable): the task's own loop. The process that trains keeps the memory it frees
+    (:mod:`flotilla.simulation.allocator`): rounds reuse it."""
+    keep_freed_memory()
     if batched is False or (batched is None and not is_batchable(task)):
         return LoopTrainer(task, shards)
     paths = PATHS if batched is None else ("stacked", "vmap")
