@@ -30,6 +30,7 @@ LEARNED_LOSS = math.log(VOCAB) - 0.3
 pytestmark = pytest.mark.xdist_group("hivemind-volunteers")
 
 TASK = "flotilla.tasks.charlm:CharLMTask"
+PLAIN_PEER = Path(__file__).resolve().parents[1] / "examples" / "plain_hivemind_peer.py"
 AVERAGING_TIMEOUT_S = 15.0
 RUN_OPTS = [
     "--target-batch-size", "96",
@@ -56,9 +57,13 @@ class Peers:
         self.procs: list[subprocess.Popen[str]] = []
 
     def start(self, name: str, *args: str) -> subprocess.Popen[str]:
+        """``flotilla ARGS`` as process ``name``."""
+        return self.start_argv(name, [sys.executable, "-m", "flotilla", *args])
+
+    def start_argv(self, name: str, argv: list[str]) -> subprocess.Popen[str]:
         err = open(self.workdir / f"{name}.err", "w")  # noqa: SIM115 (closed with the process)
         proc = subprocess.Popen(
-            bound([sys.executable, "-m", "flotilla", *args]),
+            bound(argv),
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
@@ -88,11 +93,11 @@ def peers(corpus_env: dict[str, str], tmp_path: Path) -> Iterator[Peers]:
         group.close()
 
 
-def _coordinate(peers: Peers, run: str, state_dir: Path) -> str:
+def _coordinate(peers: Peers, run: str, state_dir: Path, *extra: str) -> str:
     coord = peers.start(
         "coordinator",
         "volunteer", "coordinate", "--run", run, "--task", TASK, "--state-dir", str(state_dir),
-        *RUN_OPTS,
+        *RUN_OPTS, *extra,
     )  # fmt: skip
     assert coord.stdout is not None
     line = coord.stdout.readline().strip()  # the contract: multiaddrs first, one per line
@@ -304,3 +309,83 @@ def test_a_crashed_coordinator_restarts_with_its_peer_id_and_its_run(
     assert first.rsplit("/p2p/", 1)[1] == second.rsplit("/p2p/", 1)[1]
     record = json.loads((state / "record.json").read_text())
     assert record["run"] == "stable" and record["task"] == TASK
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["verified", "plain"])
+def test_ctrl_c_stops_the_coordinator_and_a_volunteer_with_their_workers(
+    peers: Peers, tmp_path: Path, mode: str
+) -> None:
+    """SIGINT to the coordinator's process, and to the volunteer's whole process group (a
+    terminal's Ctrl-C), once both train: each exits within 5 s and leaves no p2pd or
+    hivemind worker behind. hivemind's own averagers ignore SIGINT in the process that
+    starts them; flotilla's leave it alone, in runs open to plain peers too."""
+    run = f"ctrl-c-{mode}"
+    extra = ("--plain-averaging",) if mode == "plain" else ()
+    maddr = _coordinate(peers, run, tmp_path / "coord", *extra)
+    coordinator = peers.procs[0]
+    volunteer = _volunteer(peers, "v1", run, maddr)
+    _wait("the volunteer to join", lambda: "joined run " in peers.log("v1"), 120)
+    _wait("an epoch", lambda: any(e >= 1 for e in _peer_epochs(run, maddr).values()), 120)
+    for proc, group in ((volunteer, True), (coordinator, False)):
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert tree, "a peer runs its p2pd and hivemind workers as children"
+        began = time.monotonic()
+        if group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"SIGINT ignored:\n{peers.log('v1' if group else 'coordinator')[-3000:]}"
+            ) from None
+        took = time.monotonic() - began
+        _, alive = psutil.wait_procs(tree, timeout=5)
+        assert not alive, f"left behind: {[p.name() for p in alive]}"
+        print(
+            f"{mode}: {'volunteer' if group else 'coordinator'} stopped {took:.1f} s after SIGINT"
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_verified_run_refuses_a_plain_hivemind_peer_at_once_naming_the_option(
+    peers: Peers, tmp_path: Path
+) -> None:
+    maddr = _coordinate(peers, "closed", tmp_path / "coord")
+    began = time.monotonic()
+    plain = peers.start_argv(
+        "plain", [sys.executable, str(PLAIN_PEER), "--run", "closed", "--initial-peers", maddr]
+    )
+    assert plain.wait(timeout=120) == 3, peers.log("plain")[-3000:]
+    assert time.monotonic() - began < 60
+    assert "--plain-averaging" in peers.log("plain")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_plain_hivemind_peer_averages_in_a_run_open_to_it_and_its_loss_falls(
+    peers: Peers, tmp_path: Path
+) -> None:
+    """examples/plain_hivemind_peer.py as written, beside a flotilla volunteer, in a run
+    whose coordinator was started with --plain-averaging: the two kinds of peer reach each
+    other's averagers (hivemind's own handler names) and average."""
+    maddr = _coordinate(peers, "open", tmp_path / "coord", "--plain-averaging")
+    _volunteer(peers, "v1", "open", maddr)
+    plain = peers.start_argv(
+        "plain",
+        [sys.executable, str(PLAIN_PEER), "--run", "open", "--initial-peers", maddr,
+         "--epochs", "20"],
+    )  # fmt: skip
+    assert plain.wait(timeout=300) == 0, peers.log("plain")[-3000:]
+    log = peers.log("plain")
+    averaged = [line for line in log.splitlines() if "Averaged gradients with" in line]
+    assert len(averaged) >= 3, log[-3000:]
+    assert plain.stdout is not None
+    losses = [float(line.split()[-1]) for line in plain.stdout.read().splitlines()
+              if line.startswith("epoch ")]  # fmt: skip
+    assert len(losses) >= 20
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10, losses

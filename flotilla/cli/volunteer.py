@@ -213,12 +213,14 @@ def _runs(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from flotilla.p2p import read_status, start_dht
-    from flotilla.p2p.dht import progress_key
+    from flotilla.p2p.dht import training_peers
+    from flotilla.p2p.record import VERIFIED_SWARM
 
     dht = start_dht(args.initial_peers, client_mode=True)
     try:
         status = read_status(dht, args.run)
-        progress = dht.get(progress_key(args.run), latest=True)
+        # Those of a verified run's swarm, and plain hivemind peers training under its name.
+        peers = training_peers(dht, args.run + VERIFIED_SWARM) | training_peers(dht, args.run)
     finally:
         dht.shutdown()
     if status is None:
@@ -226,7 +228,7 @@ def _status(args: argparse.Namespace) -> int:
             f"no status for run {args.run!r} in the DHT (no coordinator, or a wrong name)"
         )
     data = dataclasses.asdict(status)
-    data["hivemind_peers"] = len(progress.value) if progress is not None else 0
+    data["hivemind_peers"] = len(peers)
     if args.json:
         print(json.dumps(data))
     else:

@@ -77,24 +77,20 @@ class AllReduceOutcome:
     seconds: float = 0.0
 
 
-class CompleteRounds:
-    """Mixin for a hivemind averager: each all-reduce round commits whole or is reverted
-    (see the module doc). List it before the averager class in the bases."""
+class HivemindWire:
+    """Mixin for every hivemind averager flotilla runs: it speaks hivemind's own protocol,
+    and leaves the caller's Ctrl-C alone. List it before the averager class in the bases.
 
-    _running_groups: dict[bytes, Any]
-    _p2p: Any
-    prefix: str
-    peer_id: Any
-    _averaging_alpha: float
-    _state_updated: Any
-    last_updated: float
-    #: The main round's runner; AgreedAverager swaps in one whose members end identical.
-    runner_type: type[AllReduceRunner] = AllReduceRunner
+    hivemind names each RPC handler after the servicer's class
+    (``{prefix}::GradientAverager.rpc_join_group``); a subclass would answer under its own
+    name, and plain hivemind peers could not reach it, nor it them. Handlers here keep the
+    name of the hivemind class underneath."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Set before the parent starts (forks) the averaging process, which uses it.
-        self._reverted: list[tuple[str, str]] = []
-        super().__init__(*args, **kwargs)
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        wire: Any = next(c for c in cls.__mro__ if c.__module__.startswith("hivemind."))
+        handle: str = wire._get_handle_name(namespace, method_name)
+        return handle
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         """hivemind ignores SIGINT in the *calling* process, for good, so that the child
@@ -119,6 +115,26 @@ class CompleteRounds:
         die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
         super().run()  # type: ignore[misc]
+
+
+class CompleteRounds(HivemindWire):
+    """Mixin for a hivemind averager: each all-reduce round commits whole or is reverted
+    (see the module doc). List it before the averager class in the bases."""
+
+    _running_groups: dict[bytes, Any]
+    _p2p: Any
+    prefix: str
+    peer_id: Any
+    _averaging_alpha: float
+    _state_updated: Any
+    last_updated: float
+    #: The main round's runner; AgreedAverager swaps in one whose members end identical.
+    runner_type: type[AllReduceRunner] = AllReduceRunner
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Set before the parent starts (forks) the averaging process, which uses it.
+        self._reverted: list[tuple[str, str]] = []
+        super().__init__(*args, **kwargs)
 
     def _pop_reverted(self) -> tuple[tuple[str, str], ...]:
         reverted, self._reverted = tuple(self._reverted), []
@@ -418,6 +434,15 @@ def check_members(group_info: GroupInfo, members: Mapping[str, str]) -> None:
             raise StrangerInGroup(f"peer {peer} gathered malformed data: {exc}") from exc
         if not isinstance(claimed, dict) or claimed.get("device_id") != device:
             raise StrangerInGroup(f"peer {peer} of device {device} claims to be another device")
+
+
+class PlainGradientAverager(HivemindWire, GradientAverager):  # type: ignore[misc]
+    """hivemind.Optimizer's gradient averager as hivemind runs it (runs open to plain
+    hivemind peers), but leaving the caller's Ctrl-C alone."""
+
+
+class PlainStateAverager(HivemindWire, TrainingStateAverager):  # type: ignore[misc]
+    """hivemind.Optimizer's state averager as hivemind runs it, leaving Ctrl-C alone."""
 
 
 class SafeGradientAverager(CompleteRounds, GradientAverager):  # type: ignore[misc]

@@ -32,6 +32,7 @@ from flotilla.p2p.dht import (
     publish_status,
     read_metrics,
     start_dht,
+    training_peers,
     visible_maddrs,
 )
 from flotilla.p2p.record import (
@@ -76,6 +77,8 @@ class Coordinator:
         self._model: Any = None
         self._signed: SignedRecord | None = None
         self.record: RunRecord | None = None
+        #: Plain hivemind peers already reported (a verified run averages without them).
+        self._plain_seen: set[str] = set()
         self.public_key = ""
 
     @property
@@ -159,6 +162,8 @@ class Coordinator:
             self._last_publish = now
         metrics = read_metrics(self._dht, self.record.run)
         self._merge(metrics)
+        if self.record.verified_averaging:
+            self._note_plain_peers()
         progress = self._opt.tracker.global_progress
         epoch = max([progress.epoch, *(m.epoch for m in metrics)], default=0)
         if self._due_for_checkpoint(epoch):
@@ -167,6 +172,21 @@ class Coordinator:
         publish_status(self._dht, status)
         _write_json(self._dir / "status.json", dataclasses.asdict(status))
         return status
+
+    def _note_plain_peers(self) -> None:
+        """Say once per peer that a plain hivemind peer (training under the run's own name,
+        not the verified swarm's) will average with nobody here, and what would let it."""
+        assert self.record is not None
+        for peer in sorted(training_peers(self._dht, self.record.run) - self._plain_seen):
+            self._plain_seen.add(peer)
+            log.warning(
+                "peer %s trains run %s with plain hivemind averaging: this run averages only "
+                "between flotilla peers (verified, whole-or-nothing rounds), so that peer "
+                "trains alone; a coordinator started with --plain-averaging lets plain "
+                "hivemind peers average",
+                peer,
+                self.record.run,
+            )
 
     def _merge(self, metrics: list[PeerMetrics]) -> None:
         changed = False

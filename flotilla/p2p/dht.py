@@ -1,7 +1,9 @@
 """The DHT keys of a volunteer run, and reading and writing its records.
 
-Stable, versioned keys (docs/p2p.md), next to the ones hivemind itself uses for the run
-(``{run}_progress``, ``{run}_grad_averager``, ``{run}_state_averager``):
+Stable, versioned keys (docs/p2p.md), next to the ones hivemind itself uses for the run's
+swarm (``{swarm}_progress``, ``{swarm}_grad_averager``, ``{swarm}_state_averager``, where
+``swarm`` is :attr:`~flotilla.p2p.record.RunRecord.swarm`: the run's name, or in a verified
+run the name + ``_flotilla_v1_verified``):
 
 - ``{run}_flotilla_v1_record``: the signed :class:`~flotilla.p2p.record.RunRecord`,
   subkey = the coordinator's public key;
@@ -12,6 +14,7 @@ Stable, versioned keys (docs/p2p.md), next to the ones hivemind itself uses for 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -51,9 +54,24 @@ def status_key(run: str) -> str:
     return f"{run}_flotilla_v1_status"
 
 
-def progress_key(run: str) -> str:
+def progress_key(swarm: str) -> str:
     """hivemind.Optimizer's own per-peer progress (epoch, samples, samples/s)."""
-    return f"{run}_progress"
+    return f"{swarm}_progress"
+
+
+def training_peers(dht: hivemind.DHT, swarm: str) -> set[str]:
+    """The peers (base58 ids) whose hivemind optimizer reports progress in ``swarm``."""
+    found = dht.get(progress_key(swarm), latest=True)
+    peers: set[str] = set()
+    if found is None or not isinstance(found.value, dict):
+        return peers
+    for entry in found.value.values():
+        value = getattr(entry, "value", None)
+        peer = value.get("peer_id") if isinstance(value, dict) else None
+        if isinstance(peer, bytes):
+            with contextlib.suppress(Exception):  # not a peer id: someone else's entry
+                peers.add(hivemind.PeerID(peer).to_base58())
+    return peers
 
 
 class WorkerDHT(hivemind.DHT):  # type: ignore[misc]

@@ -25,6 +25,8 @@ from flotilla.p2p.codecs import COMPRESSION_NAMES
 
 #: Bumped when a field changes meaning; a volunteer refuses records of another schema.
 SCHEMA_VERSION = 1
+#: Appended to a verified run's name for hivemind's keys (RunRecord.swarm).
+VERIFIED_SWARM = "_flotilla_v1_verified"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +52,8 @@ class RunRecord:
     #: ``state`` (local steps, parameters averaged every epoch).
     averaging: str = "gradients"
     #: Whole-or-nothing rounds (flotilla.p2p.averaging). Plain-hivemind peers cannot take
-    #: part in the verdict round, so a run meant for them sets this false.
+    #: part in the verdict round, so a run meant for them sets this false; in a verified
+    #: run they are never grouped with flotilla peers (:attr:`swarm`).
     verified_averaging: bool = True
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
@@ -81,6 +84,14 @@ class RunRecord:
         )
         if not all(t > 0 for t in timeouts):
             raise SpecError("every averaging timeout must be > 0 (unbounded waits are refused)")
+
+    @property
+    def swarm(self) -> str:
+        """The run's name in hivemind's own keys (its optimizer's ``run_id``): the run's
+        name when plain hivemind peers may average, else ``RUN`` + :data:`VERIFIED_SWARM`,
+        so a plain peer (whose ``run_id`` is the run's name) never finds a verified group
+        to join, nor a verified peer to download state from, and cannot stall the run."""
+        return self.run + VERIFIED_SWARM if self.verified_averaging else self.run
 
     def canonical(self) -> bytes:
         """The bytes that are signed: sorted-key JSON of every field."""

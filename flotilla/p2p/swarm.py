@@ -24,7 +24,12 @@ from flotilla.core.blobs import sha256_hex
 from flotilla.core.files import write_atomic
 from flotilla.core.tensors import decode_state, encode_state, read_metadata
 from flotilla.core.timeouts import Timeouts
-from flotilla.p2p.averaging import SafeGradientAverager, SafeStateAverager
+from flotilla.p2p.averaging import (
+    PlainGradientAverager,
+    PlainStateAverager,
+    SafeGradientAverager,
+    SafeStateAverager,
+)
 from flotilla.p2p.codecs import hivemind_compression
 from flotilla.p2p.record import RunRecord
 from flotilla.tasks.base import load_model_state, model_state
@@ -41,9 +46,12 @@ def model_sha256(model: torch.nn.Module) -> str:
 
 class CountingOptimizer(hivemind.Optimizer):  # type: ignore[misc]
     """hivemind.Optimizer that counts the epochs whose gradients were averaged with peers
-    (hivemind falls back to local gradients silently when averaging fails)."""
+    (hivemind falls back to local gradients silently when averaging fails). Its averagers
+    are hivemind's own, leaving the caller's Ctrl-C alone (:class:`HivemindWire`)."""
 
     averaged_epochs = 0
+    #: The state averager's class: hivemind's own, or whole-or-nothing.
+    state_averager_type: type[Any] = PlainStateAverager
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
@@ -52,12 +60,8 @@ class CountingOptimizer(hivemind.Optimizer):  # type: ignore[misc]
                 if maybe_step_control.exception(timeout=0) is None:
                     self.averaged_epochs += 1
 
-
-class VerifiedOptimizer(CountingOptimizer):
-    """hivemind.Optimizer whose gradient and state rounds commit whole or are reverted."""
-
-    def _make_state_averager(self, **kwargs: Any) -> SafeStateAverager:
-        return SafeStateAverager(
+    def _make_state_averager(self, **kwargs: Any) -> Any:
+        return self.state_averager_type(
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,
@@ -72,6 +76,12 @@ class VerifiedOptimizer(CountingOptimizer):
             start=True,
             **kwargs,
         )
+
+
+class VerifiedOptimizer(CountingOptimizer):
+    """hivemind.Optimizer whose gradient and state rounds commit whole or are reverted."""
+
+    state_averager_type = SafeStateAverager
 
 
 def make_optimizer(
@@ -96,7 +106,7 @@ def make_optimizer(
     optimizer_class = VerifiedOptimizer if verified else CountingOptimizer
     return optimizer_class(
         dht=dht,
-        run_id=record.run,
+        run_id=record.swarm,
         target_batch_size=record.target_batch_size,
         batch_size_per_step=None if auxiliary else batch_size,
         optimizer=factory,
@@ -110,7 +120,9 @@ def make_optimizer(
         client_mode=dht.client_mode,
         auxiliary=auxiliary,
         grad_compression=compression,
-        grad_averager_factory=SafeGradientAverager if gradients and verified else None,
+        grad_averager_factory=(SafeGradientAverager if verified else PlainGradientAverager)
+        if gradients
+        else None,
         state_averaging_compression=compression,
         tracker_opts=dict(TRACKER_OPTS),
         # hivemind warns (and may deadlock) when a request may outlive matchmaking.
