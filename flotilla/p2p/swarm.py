@@ -31,6 +31,7 @@ from flotilla.p2p.averaging import (
     SafeStateAverager,
 )
 from flotilla.p2p.codecs import hivemind_compression
+from flotilla.p2p.noise import quiet_departed_peers
 from flotilla.p2p.record import RunRecord
 from flotilla.tasks.base import load_model_state, model_state
 
@@ -95,6 +96,7 @@ def make_optimizer(
 ) -> hivemind.Optimizer:
     """The run's hivemind optimizer; ``shutdown_s`` defaults to
     ``Timeouts.swarm_shutdown_s``."""
+    quiet_departed_peers()  # before hivemind forks the averagers, which inherit it
     compression = hivemind_compression(record.compression)
     factory: Any
     if record.optimizer == "adam":

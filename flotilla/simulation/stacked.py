@@ -30,9 +30,6 @@ class Outer:
     grad_out: torch.Tensor  # (clients, rows, out)
     x: torch.Tensor  # (clients, rows, in)
 
-    def tensor(self) -> torch.Tensor:
-        return torch.bmm(self.grad_out.transpose(1, 2), self.x)
-
     def take(self, rows: torch.Tensor) -> Outer:
         """The factors of some clients only."""
         return Outer(self.grad_out[rows], self.x[rows])
