@@ -75,7 +75,7 @@ class UploadStaging:
             pid_text, _, host = other.name.partition("@")
             if other == self._root or (pid_text.isdigit() and gone_here(host, int(pid_text))):
                 shutil.rmtree(other, ignore_errors=True)
-        self._root.mkdir()
+        self._root.mkdir(exist_ok=True)
 
     def close(self) -> None:
         self._uploads.clear()
