@@ -214,13 +214,13 @@ def _runs(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from flotilla.p2p import read_status, start_dht
     from flotilla.p2p.dht import training_peers
-    from flotilla.p2p.record import VERIFIED_SWARM
+    from flotilla.p2p.record import swarm_name
 
     dht = start_dht(args.initial_peers, client_mode=True)
     try:
         status = read_status(dht, args.run)
         # Those of a verified run's swarm, and plain hivemind peers training under its name.
-        peers = training_peers(dht, args.run + VERIFIED_SWARM) | training_peers(dht, args.run)
+        peers = training_peers(dht, swarm_name(args.run, True)) | training_peers(dht, args.run)
     finally:
         dht.shutdown()
     if status is None:

@@ -25,8 +25,16 @@ from flotilla.p2p.codecs import COMPRESSION_NAMES
 
 #: Bumped when a field changes meaning; a volunteer refuses records of another schema.
 SCHEMA_VERSION = 1
-#: Appended to a verified run's name for hivemind's keys (RunRecord.swarm).
+#: Appended to a verified run's name for hivemind's keys (:func:`swarm_name`).
 VERIFIED_SWARM = "_flotilla_v1_verified"
+
+
+def swarm_name(run: str, verified: bool) -> str:
+    """A run's name in hivemind's own keys (its optimizer's ``run_id``): the run's name
+    when plain hivemind peers may average, else ``RUN`` + :data:`VERIFIED_SWARM`, so a
+    plain peer (whose ``run_id`` is the run's name) never finds a verified group to join,
+    nor a verified peer to download state from, and cannot stall the run."""
+    return run + VERIFIED_SWARM if verified else run
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +95,8 @@ class RunRecord:
 
     @property
     def swarm(self) -> str:
-        """The run's name in hivemind's own keys (its optimizer's ``run_id``): the run's
-        name when plain hivemind peers may average, else ``RUN`` + :data:`VERIFIED_SWARM`,
-        so a plain peer (whose ``run_id`` is the run's name) never finds a verified group
-        to join, nor a verified peer to download state from, and cannot stall the run."""
-        return self.run + VERIFIED_SWARM if self.verified_averaging else self.run
+        """This run's name in hivemind's own keys (:func:`swarm_name`)."""
+        return swarm_name(self.run, self.verified_averaging)
 
     def canonical(self) -> bytes:
         """The bytes that are signed: sorted-key JSON of every field."""

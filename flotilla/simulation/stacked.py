@@ -64,14 +64,15 @@ class _BatchedLinear(torch.autograd.Function):
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        grad_x = torch.bmm(grad_out, weight) if ctx.needs_input_grad[0] else None
-        grad_b = grad_out.sum(dim=1) if ctx.has_bias else None
         layer: StackedLinear = ctx.layer
+        grad_x = torch.bmm(grad_out, weight) if ctx.needs_input_grad[0] else None
+        wants_b = ctx.has_bias and (layer.deferred or ctx.needs_input_grad[2])
+        grad_b = grad_out.sum(dim=1) if wants_b else None
         if layer.deferred:
             layer.grads = (Outer(grad_out.detach(), x.detach()), grad_b)
             return grad_x, None, None, None
         grad_w = torch.bmm(grad_out.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, grad_b if ctx.needs_input_grad[2] else None, None
+        return grad_x, grad_w, grad_b, None
 
 
 class StackedLinear(nn.Module):
