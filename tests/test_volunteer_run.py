@@ -315,13 +315,15 @@ def test_a_crashed_coordinator_restarts_with_its_peer_id_and_its_run(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["verified", "plain"])
-def test_ctrl_c_stops_the_coordinator_and_a_volunteer_with_their_workers(
+def test_ctrl_c_stops_peers_with_their_workers_and_a_healthy_run_logs_no_error(
     peers: Peers, tmp_path: Path, mode: str
 ) -> None:
-    """SIGINT to the coordinator's process, and to the volunteer's whole process group (a
-    terminal's Ctrl-C), once both train: each exits within 5 s and leaves no p2pd or
-    hivemind worker behind. hivemind's own averagers ignore SIGINT in the process that
-    starts them; flotilla's leave it alone, in runs open to plain peers too."""
+    """A run as volunteers live it: one trains, a second joins late and leaves by Ctrl-C,
+    then Ctrl-C stops the first (its whole process group, as a terminal sends it) and the
+    coordinator. Each exits within 5 s and leaves no p2pd or hivemind worker behind
+    (hivemind's own averagers ignore SIGINT in the process that starts them; flotilla's
+    leave it alone, in runs open to plain peers too), and no log holds an ERROR line or a
+    traceback; the coordinator warns of the peer that left at most once."""
     run = f"ctrl-c-{mode}"
     extra = ("--plain-averaging",) if mode == "plain" else ()
     maddr = _coordinate(peers, run, tmp_path / "coord", *extra)
@@ -329,6 +331,23 @@ def test_ctrl_c_stops_the_coordinator_and_a_volunteer_with_their_workers(
     volunteer = _volunteer(peers, "v1", run, maddr)
     _wait("the volunteer to join", lambda: "joined run " in peers.log("v1"), 120)
     _wait("an epoch", lambda: any(e >= 1 for e in _peer_epochs(run, maddr).values()), 120)
+
+    late = _volunteer(peers, "v2", run, maddr)
+    _wait("the late volunteer to join", lambda: "joined run " in peers.log("v2"), 120)
+    leaver = _peer_id(peers, "v2")
+    joined_at = _peer_epochs(run, maddr).get(leaver, -1)
+    _wait("its epoch", lambda: _peer_epochs(run, maddr).get(leaver, -1) > joined_at, 120)
+    os.killpg(late.pid, signal.SIGINT)
+    try:
+        late.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        if os.environ.get("PYSPY"):
+            print(subprocess.run(["/work/main/.venv/bin/py-spy", "dump", "--pid", str(late.pid)], capture_output=True, text=True).stdout)
+        raise
+    stayer = _peer_id(peers, "v1")
+    left_at = _peer_epochs(run, maddr)[stayer]
+    _wait("an epoch without it", lambda: _peer_epochs(run, maddr)[stayer] > left_at, 120)
+
     for proc, group in ((volunteer, True), (coordinator, False)):
         tree = psutil.Process(proc.pid).children(recursive=True)
         assert tree, "a peer runs its p2pd and hivemind workers as children"
@@ -340,6 +359,8 @@ def test_ctrl_c_stops_the_coordinator_and_a_volunteer_with_their_workers(
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
+            if os.environ.get("PYSPY"):
+                print(subprocess.run(["/work/main/.venv/bin/py-spy", "dump", "--pid", str(proc.pid)], capture_output=True, text=True).stdout)
             raise AssertionError(
                 f"SIGINT ignored:\n{peers.log('v1' if group else 'coordinator')[-3000:]}"
             ) from None
@@ -347,8 +368,14 @@ def test_ctrl_c_stops_the_coordinator_and_a_volunteer_with_their_workers(
         _, alive = psutil.wait_procs(tree, timeout=5)
         assert not alive, f"left behind: {[p.name() for p in alive]}"
         print(
-            f"{mode}: {'volunteer' if group else 'coordinator'} stopped {took:.1f} s after SIGINT"
+            f"{mode}: {'volunteer' if group else 'coordinator'} stopped {took:.1f} s after SIGINT, rc {proc.returncode}"
         )
+    for name in ("coordinator", "v1", "v2"):
+        log = peers.log(name)
+        noisy = [line for line in log.splitlines() if "ERROR" in line or "Traceback" in line]
+        assert not noisy, f"{name}:\n{log[-4000:]}"
+    said = [line for line in peers.log("coordinator").splitlines() if "WARN" in line]
+    assert sum(leaver in line for line in said) <= 1, said
 
 
 @pytest.mark.slow

@@ -88,7 +88,7 @@ def _join(args: argparse.Namespace) -> int:
     if missing:
         print(f"error: flotilla volunteer needs {', '.join(missing)}", file=sys.stderr)
         return 2
-    from flotilla.core.lifetime import stop_on_signals
+    from flotilla.core.lifetime import exit_now, stop_on_signals
     from flotilla.p2p import VolunteerOptions, run_volunteer
 
     options = VolunteerOptions(
@@ -107,7 +107,8 @@ def _join(args: argparse.Namespace) -> int:
     def ready(peer: str, record: Any) -> None:
         print(f"joined run {record.run} as {peer}", file=sys.stderr, flush=True)
 
-    report = run_volunteer(options, stop_on_signals(), ready)
+    stop = stop_on_signals(options.timeouts.swarm_leave_s)
+    report = run_volunteer(options, stop, ready)
     print(
         json.dumps(
             {
@@ -122,11 +123,14 @@ def _join(args: argparse.Namespace) -> int:
         ),
         flush=True,
     )
+    if stop.is_set():  # Ctrl-C: peers were told, averagers stopped; hivemind's waits are not
+        exit_now(130)
     return 0
 
 
 def _coordinate(args: argparse.Namespace) -> int:
     from flotilla.core.lifetime import end_with_parent, stop_on_signals
+    from flotilla.core.timeouts import Timeouts
     from flotilla.p2p import Coordinator, CoordinatorOptions
 
     state_dir = args.state_dir or Path.cwd() / f"flotilla-run-{args.run}"
@@ -153,7 +157,7 @@ def _coordinate(args: argparse.Namespace) -> int:
     )
     if args.stop_with_parent:
         end_with_parent()
-    stop = stop_on_signals()
+    stop = stop_on_signals(Timeouts().swarm_leave_s)
     try:
         for maddr in coordinator.start():
             print(maddr, flush=True)

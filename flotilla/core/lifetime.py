@@ -10,6 +10,7 @@ workers lived on, holding ports, after a crash. Every worker flotilla starts cal
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -17,7 +18,9 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+
+import psutil
 
 #: linux/prctl.h
 PR_SET_PDEATHSIG = 1
@@ -61,15 +64,85 @@ def gone_here(host: str, pid: int) -> bool:
     return False
 
 
-def stop_on_signals() -> threading.Event:
+class Interrupted(KeyboardInterrupt):
+    """A stop signal arrived while the main thread blocked in :meth:`StopEvent.interruptible`
+    code. A KeyboardInterrupt, which no ``except Exception`` on the way up swallows and
+    hivemind's retry loops (``except KeyboardInterrupt: raise``) let through."""
+
+
+class StopEvent(threading.Event):
+    """Set by SIGINT or SIGTERM (:func:`stop_on_signals`). A loop checks it between steps;
+    a step that may block for long (a hivemind averaging round waits up to its timeout)
+    runs inside :meth:`interruptible`, where the signal raises :class:`Interrupted` at once.
+    With ``hard_stop_s``, a process still stopping that long after the first signal ends
+    at once, with its children (:func:`end_now`)."""
+
+    def __init__(self, hard_stop_s: float | None = None) -> None:
+        super().__init__()
+        self._blocked = 0
+        self._hard_stop_s = hard_stop_s
+        self._on_stop: list[Callable[[], None]] = []
+
+    def on_stop(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (in a thread of its own) when a stop signal arrives: to cancel
+        the waits a step is in, say, so that it returns by itself."""
+        self._on_stop.append(callback)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """Run the block so that a stop signal interrupts it (main thread only)."""
+        if self.is_set():
+            raise Interrupted
+        self._blocked += 1
+        try:
+            yield
+        finally:
+            self._blocked -= 1
+
+    def signalled(self) -> None:
+        """The handler's part: set, arm the hard stop, start the callbacks, and interrupt a
+        blocked step."""
+        if not self.is_set():
+            if self._hard_stop_s is not None:
+                timer = threading.Timer(self._hard_stop_s, end_now, args=(self._hard_stop_s,))
+                timer.daemon = True
+                timer.start()
+            for callback in self._on_stop:  # not in the handler: it may need a lock held here
+                threading.Thread(target=callback, name="on-stop", daemon=True).start()
+        self.set()
+        if self._blocked:
+            raise Interrupted
+
+
+def end_now(waited_s: float) -> None:
+    """A stop that has taken ``waited_s`` already: kill this process's children and exit
+    (130, as after Ctrl-C) without waiting for threads that wait on peers."""
+    sys.stderr.write(f"still stopping after {waited_s:.0f} s: ending now\n")
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    exit_now(130)
+
+
+def exit_now(status: int) -> None:
+    """Exit with ``status`` once stdout and stderr are flushed, without joining threads
+    still blocked on peers that will never answer (hivemind's averaging waits: the
+    interpreter would join each, up to its round's timeout)."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(status)
+
+
+def stop_on_signals(hard_stop_s: float | None = None) -> StopEvent:
     """An event set by SIGINT or SIGTERM in this process. Forked workers inherit the
     handler; in them it acts as the signal's default (an event there stops nothing)."""
-    stop = threading.Event()
+    stop = StopEvent(hard_stop_s)
     owner = os.getpid()
 
     def handle(sig: int, _frame: object) -> None:
         if os.getpid() == owner:
-            stop.set()
+            stop.signalled()
             return
         signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)

@@ -72,6 +72,9 @@ class Timeouts:
     record_wait_s: float = 20.0
     #: A hivemind optimizer's shutdown waits at most this long for its background work.
     swarm_shutdown_s: float = 5.0
+    #: After Ctrl-C, how long a peer may take leaving its swarm before it ends at once
+    #: (hivemind may wait out a round's timeout; Ctrl-C stops within 5 s).
+    swarm_leave_s: float = 3.0
     #: A simulation training worker must say hello within this.
     worker_start_s: float = 120.0
     #: A simulation worker's share of one round must come back within this.

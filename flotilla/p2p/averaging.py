@@ -116,6 +116,36 @@ class HivemindWire:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
         super().run()  # type: ignore[misc]
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        """hivemind 1.1.12 fails to shut down while a round runs: it calls ``finalize`` on
+        the future it keeps per running group rather than on the runner inside
+        (AttributeError in the averager's thread, and a caller that waits out its shutdown
+        timeout). Here each running round is cancelled through its runner."""
+        del timeout  # nothing is left to wait for: cancelling a runner is immediate
+        this: Any = self
+        if not this.client_mode:
+            await this.remove_p2p_handlers(this._p2p, namespace=this.prefix)
+        for slot in list(this._running_groups.values()):
+            if not slot.done():
+                slot.cancel()
+            elif not slot.cancelled() and slot.exception() is None:
+                slot.result().finalize(cancel=True)
+        # This process ends with its loop, and hivemind leaves the matchmaking it was in
+        # pending there: each would be logged as an error as it is destroyed.
+        logging.disable(logging.CRITICAL)
+
+    async def _step(self, *, step: StepControl, future_for_init: Any) -> None:
+        """hivemind sets a finished round's result even when its caller cancelled the
+        step meanwhile (the optimizer does, falling out of sync); the ``InvalidStateError``
+        that raises would end the task unretrieved, an ERROR with a traceback in a healthy
+        run. A cancelled step has no one left to tell."""
+        try:
+            await super()._step(step=step, future_for_init=future_for_init)  # type: ignore[misc]
+        except concurrent.futures.InvalidStateError:
+            if not step.cancelled():
+                raise
+            log.debug("an averaging round finished after its step was cancelled")
+
 
 class CompleteRounds(HivemindWire):
     """Mixin for a hivemind averager: each all-reduce round commits whole or is reverted

@@ -104,13 +104,18 @@ class RequestPipe:
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
+        self._skipped = 0
 
     def recv(self) -> Any:
         data = self._conn.recv_bytes()  # EOFError here: the pipe itself is closed
         try:
             return ForkingPickler.loads(data)
         except Exception as exc:
-            log.warning("DHT worker skipped a request it could not read: %r", exc)
+            # Said once: a process stopping (Ctrl-C) ends its averagers with requests
+            # still queued, a dozen at a time.
+            self._skipped += 1
+            level = logging.WARNING if self._skipped == 1 else logging.DEBUG
+            log.log(level, "DHT worker skipped a request whose sender had exited: %r", exc)
             return "_skip", [], {}
 
     def __getattr__(self, name: str) -> Any:  # fileno, poll: the connection's own

@@ -31,8 +31,9 @@ from flotilla.p2p.averaging import (
     SafeStateAverager,
 )
 from flotilla.p2p.codecs import hivemind_compression
-from flotilla.p2p.noise import quiet_departed_peers
+from flotilla.p2p.noise import quiet_hivemind
 from flotilla.p2p.record import RunRecord
+from flotilla.p2p.tracker import TidyProgressTracker
 from flotilla.tasks.base import load_model_state, model_state
 
 #: hivemind's default is a 10 s wait before the first progress fetch; volunteer runs on
@@ -60,6 +61,35 @@ class CountingOptimizer(hivemind.Optimizer):  # type: ignore[misc]
             with contextlib.suppress(Exception):
                 if maybe_step_control.exception(timeout=0) is None:
                     self.averaged_epochs += 1
+
+    def cancel_rounds(self) -> None:
+        """Cancel the averaging rounds in flight: every wait on them ends at once (a step
+        falls back to its local gradients), where it would wait out the round's timeout.
+        Their groups revert or retry without this peer, as when a peer dies."""
+        for scheduled in (self.scheduled_grads, self.scheduled_state):
+            if scheduled is not None and not scheduled.done():
+                scheduled.cancel()
+
+    def leave(self) -> None:
+        """Shut down at once (Ctrl-C). hivemind's ``shutdown`` first takes part in the
+        rounds in flight with zero weight and waits for a background state round, each up
+        to its timeout; here the rounds are cancelled and the averagers stopped."""
+        self.cancel_rounds()
+        self.tracker.shutdown(self.shutdown_timeout)
+        self.state_averager.shutdown()
+        if self.use_gradient_averaging:
+            self.grad_averager.shutdown()
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
+        return TidyProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
 
     def _make_state_averager(self, **kwargs: Any) -> Any:
         return self.state_averager_type(
@@ -93,10 +123,10 @@ def make_optimizer(
     batch_size: int | None,
     auxiliary: bool = False,
     shutdown_s: float | None = None,
-) -> hivemind.Optimizer:
+) -> CountingOptimizer:
     """The run's hivemind optimizer; ``shutdown_s`` defaults to
     ``Timeouts.swarm_shutdown_s``."""
-    quiet_departed_peers()  # before hivemind forks the averagers, which inherit it
+    quiet_hivemind()  # before hivemind forks the averagers, which inherit it
     compression = hivemind_compression(record.compression)
     factory: Any
     if record.optimizer == "adam":

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.core.errors import RunRecordError
+from flotilla.core.lifetime import Interrupted, StopEvent
 from flotilla.core.spec import DataSection
 from flotilla.core.timeouts import Timeouts
 from flotilla.p2p.codecs import install_codecs
@@ -98,10 +98,10 @@ def _seed_of(peer_id: str) -> int:
 
 def run_volunteer(
     options: VolunteerOptions,
-    stop: threading.Event | None = None,
+    stop: StopEvent | None = None,
     on_ready: Callable[[str, RunRecord], None] | None = None,
 ) -> VolunteerReport:
-    stop = stop or threading.Event()
+    stop = stop or StopEvent()
     install_codecs()
     identity = options.state_dir / "identity.key" if options.state_dir else None
     timeouts = options.timeouts
@@ -132,6 +132,7 @@ def run_volunteer(
             auxiliary=options.auxiliary,
             shutdown_s=timeouts.swarm_shutdown_s,
         )
+        stop.on_stop(opt.cancel_rounds)
         opt.load_state_from_peers()
         report = VolunteerReport(peer, record, opt.local_epoch, opt.local_epoch)
         if on_ready is not None:
@@ -148,7 +149,7 @@ def run_volunteer(
         return report
     finally:
         if opt is not None:
-            opt.shutdown()
+            opt.leave() if stop.is_set() else opt.shutdown()
         dht.shutdown()
 
 
@@ -158,7 +159,7 @@ def _train(
     opt: Any,
     batches: Any,
     options: VolunteerOptions,
-    stop: threading.Event,
+    stop: StopEvent,
     report: VolunteerReport,
     dht: Any,
     batch_size: int,
@@ -176,7 +177,8 @@ def _train(
         x, y = next(batches)
         loss = task.loss(model, x, y)
         loss.backward()
-        opt.step()
+        if not _step(opt, stop):
+            break
         opt.zero_grad()
         value = float(loss.detach())
         if math.isfinite(value):
@@ -197,7 +199,7 @@ def _train(
 
 
 def _assist(
-    opt: Any, options: VolunteerOptions, stop: threading.Event, report: VolunteerReport, dht: Any
+    opt: Any, options: VolunteerOptions, stop: StopEvent, report: VolunteerReport, dht: Any
 ) -> None:
     """An auxiliary peer: join every averaging round with no samples of its own."""
     last_report = 0.0
@@ -207,11 +209,23 @@ def _assist(
             and opt.local_epoch >= report.first_epoch + options.max_epochs
         ):
             break
-        opt.step()
+        if not _step(opt, stop):
+            break
         if time.monotonic() - last_report >= METRICS_EVERY_S:
             _report(dht, options.run, report, opt.local_epoch, 0.0, auxiliary=True)
             last_report = time.monotonic()
         stop.wait(0.2)
+
+
+def _step(opt: Any, stop: StopEvent) -> bool:
+    """One optimizer step, or False when a stop signal came first or cut it short: a step
+    may wait a whole averaging round (up to the record's timeout), and Ctrl-C must not."""
+    try:
+        with stop.interruptible():
+            opt.step()
+    except Interrupted:
+        return False
+    return True
 
 
 def _report(
