@@ -6,12 +6,18 @@ Issue 21's setup, as a user met it: a peer written only with ``hivemind.DHT`` an
 beside flotilla volunteers of a default (verified) ``flotilla volunteer coordinate`` run of
 the char LM. Before flotilla's peers moved to their own swarm, such a peer stalled the run.
 
-Two phases on the same machine, alternating (without, with, without, with, ...): a
-coordinator and two ``flotilla volunteer`` processes train for a fixed wall time, once
-alone and once with the foreign peer started first. Each volunteer's report (printed on
-Ctrl-C) says how many epochs it averaged with peers; the figure is their sum. The foreign
-peer's own hivemind log says whether it ever averaged (it trains alone by construction),
-and the coordinator's log whether it named ``--plain-averaging``.
+Two phases on the same machine, alternating: a coordinator and two ``flotilla volunteer``
+processes train for a fixed wall time beside the same plain peer, started first; in the
+control phase it trains under another run's name (the same load on these two cores), in
+the measured phase under this run's name, as the issue's user wrote it. Each volunteer's
+report (printed on Ctrl-C) says how many epochs it averaged with peers; the figure is
+their sum. The foreign peer's own hivemind log says whether it ever averaged (it trains
+alone by construction), and the coordinator's log whether it named ``--plain-averaging``.
+The plain peer stands for a peer on another machine: paced (a step every 0.1 s) and at the
+lowest CPU priority (nice 19). Without that it measures how the cores are shared: hivemind's
+optimizer training alone in a run keeps about one core busy (0.97 measured here), and two
+volunteers left with one core between them and the coordinator rarely form a group, in
+either phase.
 
 Floor (the issue's): volunteers' averaged epochs with the foreign peer >= 0.8x without it,
 summed over the repetitions. Stdout carries one JSON object; a summary goes to stderr.
@@ -38,7 +44,8 @@ TASK = "flotilla.tasks.charlm:CharLMTask"
 FLOOR = 0.8
 RUN_OPTS = ["--target-batch-size", "96", "--batch-size", "16", "--averaging-timeout", "15"]
 FOREIGN = """
-import sys, time, hivemind, torch
+import os, sys, time, hivemind, torch
+os.nice(19)  # idle cycles only: it stands for a peer on another machine
 from flotilla.tasks.charlm import CharLMTask, windows
 run, maddr, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 dht = hivemind.DHT(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
@@ -59,14 +66,17 @@ while time.monotonic() < end:
     loss.backward()
     opt.step()
     opt.zero_grad()
+    time.sleep(0.1)  # paced, as a peer elsewhere; hivemind alone in a run is busy anyway
 opt.shutdown()
 dht.shutdown()
 """
 
 
 def _spawn(argv: list[str], log: Path, **kw: Any) -> subprocess.Popen[str]:
+    # One thread each: five processes share these cores (as the suite runs them).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, *argv], text=True, cwd=ROOT, start_new_session=True,
+        [sys.executable, *argv], text=True, cwd=ROOT, start_new_session=True, env=env,
         stderr=open(log, "w"), **kw,
     )  # fmt: skip
 
@@ -79,8 +89,8 @@ def _kill(procs: list[subprocess.Popen[str]]) -> None:
 
 
 def phase(workdir: Path, tag: str, seconds: float, foreign: bool) -> dict[str, Any]:
-    """One run: coordinator, optionally the foreign peer, then two volunteers for
-    ``seconds``; their averaged epochs from the reports they print on Ctrl-C."""
+    """One run: coordinator, the plain peer (in this run when ``foreign``, else in another),
+    then two volunteers for ``seconds``; their averaged epochs from their reports."""
     run = f"foreign-{tag}"
     coord = _spawn(
         ["-m", "flotilla", "volunteer", "coordinate", "--run", run, "--task", TASK,
@@ -91,13 +101,12 @@ def phase(workdir: Path, tag: str, seconds: float, foreign: bool) -> dict[str, A
     try:
         assert coord.stdout is not None
         maddr = coord.stdout.readline().strip()
-        if foreign:
-            peer = _spawn(
-                ["-c", FOREIGN, run, maddr, str(seconds + 60)],
-                workdir / f"{run}-foreign.err", stdout=subprocess.PIPE,
-            )  # fmt: skip
-            procs.append(peer)
-            assert peer.stdout is not None and peer.stdout.readline().strip() == "training"
+        peer = _spawn(
+            ["-c", FOREIGN, run if foreign else f"{run}-elsewhere", maddr, str(seconds + 60)],
+            workdir / f"{run}-foreign.err", stdout=subprocess.PIPE,
+        )  # fmt: skip
+        procs.append(peer)
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "training"
         join = ["-m", "flotilla", "volunteer", "--run", run, "--task", TASK]
         volunteers = [
             _spawn(
@@ -125,19 +134,18 @@ def phase(workdir: Path, tag: str, seconds: float, foreign: bool) -> dict[str, A
         "averaged_epochs": averaged,
         "epochs": [r["last_epoch"] - r["first_epoch"] if r else 0 for r in reports],
     }
-    if foreign:
-        foreign_log = (workdir / f"{run}-foreign.err").read_text()
-        coord_log = (workdir / f"{run}-coordinator.err").read_text()
-        result["foreign_averaged"] = len(re.findall(r"Averaged \w+ with [2-9]", foreign_log))
-        result["coordinator_named_option"] = "--plain-averaging" in coord_log
+    foreign_log = (workdir / f"{run}-foreign.err").read_text()
+    coord_log = (workdir / f"{run}-coordinator.err").read_text()
+    result["foreign_averaged"] = len(re.findall(r"Averaged \w+ with [2-9]", foreign_log))
+    result["coordinator_named_option"] = "--plain-averaging" in coord_log
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one pair of 40 s runs")
+    parser.add_argument("--quick", action="store_true", help="one pair of 50 s runs")
     args = parser.parse_args(argv)
-    pairs, seconds = (1, 40.0) if args.quick else (3, 60.0)
+    pairs, seconds = (1, 50.0) if args.quick else (3, 90.0)
     phases = []
     with tempfile.TemporaryDirectory(prefix="flotilla-bench-foreign-") as tmp:
         for i in range(pairs):
@@ -147,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     alone = sum(sum(p["averaged_epochs"]) for p in phases if not p["foreign_peer"])
     beside = sum(sum(p["averaged_epochs"]) for p in phases if p["foreign_peer"])
     ratio = beside / alone if alone else None
+    named = all(p["coordinator_named_option"] == p["foreign_peer"] for p in phases)
     floors = [
         {
             "name": "averaged_epochs_with_foreign_peer_over_without",
@@ -155,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:
             "ok": ratio is not None and ratio >= FLOOR,
         },
         {
-            "name": "coordinator_names_plain_averaging",
-            "value": all(p["coordinator_named_option"] for p in phases if p["foreign_peer"]),
+            # It warns of the foreign peer, and of no peer training in another run.
+            "name": "coordinator_names_plain_averaging_exactly_when_foreign",
+            "value": named,
             "limit": True,
-            "ok": all(p["coordinator_named_option"] for p in phases if p["foreign_peer"]),
+            "ok": named,
         },
     ]
     report = {

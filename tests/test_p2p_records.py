@@ -284,3 +284,22 @@ def test_peer_ids_made_without_hivemind_are_the_ones_hivemind_peers_get(tmp_path
         assert dht.peer_id.to_base58() == made
     finally:
         dht.shutdown()
+
+
+def test_training_peers_names_each_hivemind_optimizer_reporting_progress(
+    dht_pair: tuple[object, object],
+) -> None:
+    """What a verified run's coordinator reads to warn of a plain hivemind peer training
+    under the run's name, and what `status` counts: hivemind's own progress entries."""
+    from hivemind.utils import get_dht_time
+
+    from flotilla.p2p.dht import progress_key, training_peers
+
+    writer, reader = dht_pair
+    peer = writer.peer_id  # type: ignore[attr-defined]
+    progress = {"peer_id": peer.to_bytes(), "epoch": 3, "samples_accumulated": 16}
+    expires = get_dht_time() + 30
+    writer.store(progress_key("open"), progress, expires, subkey="a-peer")  # type: ignore[attr-defined]
+    writer.store(progress_key("open"), {"epoch": 1}, expires, subkey="no-id")  # type: ignore[attr-defined]
+    assert training_peers(reader, "open") == {peer.to_base58()}  # type: ignore[arg-type]
+    assert training_peers(reader, "nobody") == set()  # type: ignore[arg-type]

@@ -14,7 +14,6 @@ run the name + ``_flotilla_v1_verified``):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -26,6 +25,7 @@ from typing import Any, TypeVar
 
 import hivemind
 from hivemind.dht.schema import RSASignatureValidator
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from flotilla.core.errors import RunRecordError
@@ -69,8 +69,7 @@ def training_peers(dht: hivemind.DHT, swarm: str) -> set[str]:
         value = getattr(entry, "value", None)
         peer = value.get("peer_id") if isinstance(value, dict) else None
         if isinstance(peer, bytes):
-            with contextlib.suppress(Exception):  # not a peer id: someone else's entry
-                peers.add(hivemind.PeerID(peer).to_base58())
+            peers.add(PeerID(peer).to_base58())
     return peers
 
 
