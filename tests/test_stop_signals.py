@@ -86,9 +86,28 @@ def test_a_stop_that_hangs_ends_the_process_and_its_children_after_the_hard_stop
         took = time.monotonic() - began
         assert 0.9 <= took < 5, took
         child.wait(timeout=5)  # killed with its parent, not orphaned
+        assert not child.is_running()
         assert proc.stderr is not None
         assert "still stopping after 1 s: ending now" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def test_descendants_lists_children_and_grandchildren() -> None:
+    from flotilla.core.lifetime import descendants
+
+    sleeper = "import time; time.sleep(60)"
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {sleeper!r}]); time.sleep(60)"  # noqa: E501
+    proc = subprocess.Popen(bound([sys.executable, "-c", code]), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(descendants(proc.pid)) < 1:
+            time.sleep(0.1)
+        (grandchild,) = descendants(proc.pid)
+        assert psutil.Process(grandchild).ppid() == proc.pid
+        assert {proc.pid, grandchild} <= set(descendants(os.getpid()))
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
