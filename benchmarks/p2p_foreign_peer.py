@@ -143,9 +143,9 @@ def phase(workdir: Path, tag: str, seconds: float, foreign: bool) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one pair of 50 s runs")
+    parser.add_argument("--quick", action="store_true", help="one pair of 45 s runs")
     args = parser.parse_args(argv)
-    pairs, seconds = (1, 50.0) if args.quick else (3, 90.0)
+    pairs, seconds = (1, 45.0) if args.quick else (3, 90.0)
     phases = []
     with tempfile.TemporaryDirectory(prefix="flotilla-bench-foreign-") as tmp:
         for i in range(pairs):

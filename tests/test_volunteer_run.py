@@ -414,4 +414,7 @@ def test_a_plain_hivemind_peer_averages_in_a_run_open_to_it_and_its_loss_falls(
     losses = [float(line.split()[-1]) for line in plain.stdout.read().splitlines()
               if line.startswith("epoch ")]  # fmt: skip
     assert len(losses) >= 20
-    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10, losses
+    # It trains on the swarm's state: below a fresh model's loss and, unless it joined a
+    # swarm already near its plateau (a loaded machine starts it late), still falling.
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < LEARNED_LOSS and (last < first or last < LEARNED_LOSS - 0.3), losses
