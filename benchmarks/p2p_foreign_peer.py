@@ -127,18 +127,16 @@ def phase(workdir: Path, tag: str, seconds: float, foreign: bool) -> dict[str, A
             reports.append(json.loads(lines[-1]) if lines else None)
     finally:
         _kill(procs)
-    averaged = [r["averaged_epochs"] if r else 0 for r in reports]
-    result: dict[str, Any] = {
-        "foreign_peer": foreign,
-        "seconds": seconds,
-        "averaged_epochs": averaged,
-        "epochs": [r["last_epoch"] - r["first_epoch"] if r else 0 for r in reports],
-    }
     foreign_log = (workdir / f"{run}-foreign.err").read_text()
     coord_log = (workdir / f"{run}-coordinator.err").read_text()
-    result["foreign_averaged"] = len(re.findall(r"Averaged \w+ with [2-9]", foreign_log))
-    result["coordinator_named_option"] = "--plain-averaging" in coord_log
-    return result
+    return {
+        "foreign_peer": foreign,
+        "seconds": seconds,
+        "averaged_epochs": [r["averaged_epochs"] if r else 0 for r in reports],
+        "epochs": [r["last_epoch"] - r["first_epoch"] if r else 0 for r in reports],
+        "foreign_averaged": len(re.findall(r"Averaged \w+ with [2-9]", foreign_log)),
+        "coordinator_named_option": "--plain-averaging" in coord_log,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,7 +103,7 @@ class RequestPipe:
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
-        self._skipped = 0
+        self._warned = False
 
     def recv(self) -> Any:
         data = self._conn.recv_bytes()  # EOFError here: the pipe itself is closed
@@ -112,8 +112,8 @@ class RequestPipe:
         except Exception as exc:
             # Said once: a process stopping (Ctrl-C) ends its averagers with requests
             # still queued, a dozen at a time.
-            self._skipped += 1
-            level = logging.WARNING if self._skipped == 1 else logging.DEBUG
+            level = logging.DEBUG if self._warned else logging.WARNING
+            self._warned = True
             log.log(level, "DHT worker skipped a request whose sender had exited: %r", exc)
             return "_skip", [], {}
 

@@ -148,8 +148,10 @@ def run_volunteer(
         report.averaged_epochs = opt.averaged_epochs
         return report
     finally:
-        if opt is not None:
-            opt.leave() if stop.is_set() else opt.shutdown()
+        if opt is not None and stop.is_set():
+            opt.leave()
+        elif opt is not None:
+            opt.shutdown()
         dht.shutdown()
 
 
