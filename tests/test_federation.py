@@ -255,8 +255,16 @@ def test_agent_killed_mid_upload_leaves_nothing(
         "job.round_deadline_s=30",
         "job.name=halfway",
     )
-    half.wait(120)
-    assert half.returncode == -9, "the agent died by SIGKILL mid-upload"
+    try:
+        half.wait(120)
+    except subprocess.TimeoutExpired:
+        half.kill()
+        half.wait(10)
+    assert half.returncode == -9, (
+        "the agent died by SIGKILL mid-upload",
+        half.returncode,
+        server.log.read_text()[-4000:],
+    )
     status = server.wait_for(job_id, timeout=180)
     assert status["state"] == "completed", status
     rows = participations(server)

@@ -40,7 +40,8 @@ async def main(target: str, token: str, task_name: str) -> None:
             if reply.HasField("task"):
                 task = reply.task
                 break
-        assert task is not None, "never selected"
+        if task is None:
+            sys.exit("never selected")
         assembler = BlobAssembler(task.model_size, task.model_sha256, 2**30)
         async for chunk in stub.FetchModel(
             pb.FetchModelRequest(job_id=task.job_id, sha256=task.model_sha256),
@@ -69,7 +70,10 @@ async def main(target: str, token: str, task_name: str) -> None:
 
         call = stub.SubmitUpdate(chunks(), metadata=md, timeout=60)
         waiter = asyncio.ensure_future(call)
-        await sent.wait()
+        half_sent = asyncio.ensure_future(sent.wait())
+        await asyncio.wait({waiter, half_sent}, return_when=asyncio.FIRST_COMPLETED)
+        if not sent.is_set():  # the server answered before taking the half: say why, not hang
+            sys.exit(f"the server ended the upload before its half: {waiter.exception()!r}")
         await asyncio.sleep(0.5)  # let the half reach the server
         os.kill(os.getpid(), signal.SIGKILL)
         await waiter
