@@ -7,17 +7,15 @@ beside flotilla volunteers of a default (verified) ``flotilla volunteer coordina
 the char LM. Before flotilla's peers moved to their own swarm, such a peer stalled the run.
 
 Two phases on the same machine, alternating: a coordinator and two ``flotilla volunteer``
-processes train for a fixed wall time beside the same plain peer, started first; in the
-control phase it trains under another run's name (the same load on these two cores), in
-the measured phase under this run's name, as the issue's user wrote it. Each volunteer's
-report (printed on Ctrl-C) says how many epochs it averaged with peers; the figure is
-their sum. The foreign peer's own hivemind log says whether it ever averaged (it trains
-alone by construction), and the coordinator's log whether it named ``--plain-averaging``.
-The plain peer stands for a peer on another machine: paced (a step every 0.1 s) and at the
-lowest CPU priority (nice 19). Without that it measures how the cores are shared: hivemind's
-optimizer training alone in a run keeps about one core busy (0.97 measured here), and two
-volunteers left with one core between them and the coordinator rarely form a group, in
-either phase.
+processes train for a fixed wall time, in the control phase alone, in the measured phase
+beside the plain peer, started first under this run's name as the issue's user wrote it.
+Each volunteer's report (printed on Ctrl-C, before it leaves) says how many epochs it
+averaged with peers; the figure is their sum. The foreign peer's own hivemind log says
+whether it ever averaged (it trains alone by construction), and the coordinator's log
+whether it named ``--plain-averaging``. The plain peer stands for a peer on another machine:
+paced (a step every 0.1 s) and at the lowest CPU priority (nice 19). Without that it
+measures how the cores are shared: hivemind's optimizer training alone in a run keeps
+about one core busy (0.97 measured here).
 
 Floor (the issue's): volunteers' averaged epochs with the foreign peer >= 0.8x without it,
 summed over the repetitions. Stdout carries one JSON object; a summary goes to stderr.
@@ -89,8 +87,8 @@ def _kill(procs: list[subprocess.Popen[str]]) -> None:
 
 
 def phase(workdir: Path, tag: str, seconds: float, foreign: bool) -> dict[str, Any]:
-    """One run: coordinator, the plain peer (in this run when ``foreign``, else in another),
-    then two volunteers for ``seconds``; their averaged epochs from their reports."""
+    """One run: coordinator, the plain peer (when ``foreign``), then two volunteers for
+    ``seconds``; their averaged epochs from their reports."""
     run = f"foreign-{tag}"
     coord = _spawn(
         ["-m", "flotilla", "volunteer", "coordinate", "--run", run, "--task", TASK,
@@ -101,12 +99,13 @@ def phase(workdir: Path, tag: str, seconds: float, foreign: bool) -> dict[str, A
     try:
         assert coord.stdout is not None
         maddr = coord.stdout.readline().strip()
-        peer = _spawn(
-            ["-c", FOREIGN, run if foreign else f"{run}-elsewhere", maddr, str(seconds + 60)],
-            workdir / f"{run}-foreign.err", stdout=subprocess.PIPE,
-        )  # fmt: skip
-        procs.append(peer)
-        assert peer.stdout is not None and peer.stdout.readline().strip() == "training"
+        if foreign:
+            peer = _spawn(
+                ["-c", FOREIGN, run, maddr, str(seconds + 60)],
+                workdir / f"{run}-foreign.err", stdout=subprocess.PIPE,
+            )  # fmt: skip
+            procs.append(peer)
+            assert peer.stdout is not None and peer.stdout.readline().strip() == "training"
         join = ["-m", "flotilla", "volunteer", "--run", run, "--task", TASK]
         volunteers = [
             _spawn(
@@ -127,7 +126,7 @@ def phase(workdir: Path, tag: str, seconds: float, foreign: bool) -> dict[str, A
             reports.append(json.loads(lines[-1]) if lines else None)
     finally:
         _kill(procs)
-    foreign_log = (workdir / f"{run}-foreign.err").read_text()
+    foreign_log = (workdir / f"{run}-foreign.err").read_text() if foreign else ""
     coord_log = (workdir / f"{run}-coordinator.err").read_text()
     return {
         "foreign_peer": foreign,
@@ -162,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             "ok": ratio is not None and ratio >= FLOOR,
         },
         {
-            # It warns of the foreign peer, and of no peer training in another run.
+            # It warns of the plain peer in its run, and says nothing of the sort when alone.
             "name": "coordinator_names_plain_averaging_exactly_when_foreign",
             "value": named,
             "limit": True,

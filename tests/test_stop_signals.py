@@ -35,6 +35,29 @@ def test_a_stop_signal_interrupts_a_blocked_step_and_later_steps_do_not_start() 
             signal.signal(sig, handler)
 
 
+@pytest.mark.timeout(60)
+def test_a_step_that_swallows_the_interrupt_gets_it_again_until_it_returns() -> None:
+    """hivemind's optimizer step catches BaseException around its gradient round and then
+    waits for its state round: the stop must not wait that out."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop = stop_on_signals()
+    swallowed: list[BaseException] = []
+    try:
+        threading.Timer(0.2, os.kill, args=(os.getpid(), signal.SIGINT)).start()
+        began = time.monotonic()
+        with pytest.raises(Interrupted), stop.interruptible():
+            try:
+                threading.Event().wait(30)  # the gradient round's result
+            except BaseException as exc:  # logged by hivemind, and the step goes on
+                swallowed.append(exc)
+            threading.Event().wait(30)  # the state round's
+        assert [type(e) for e in swallowed] == [Interrupted]
+        assert time.monotonic() - began < 5
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 def test_outside_a_step_the_signal_only_sets_the_event() -> None:
     stop = StopEvent()
     stop.signalled()

@@ -112,6 +112,14 @@ def _volunteer(peers: Peers, name: str, run: str, maddr: str, *extra: str) -> An
     )
 
 
+def _report(volunteer: subprocess.Popen[str]) -> dict[str, Any]:
+    """The report a stopped volunteer printed: its stdout's last JSON line."""
+    assert volunteer.stdout is not None
+    lines = [line for line in volunteer.stdout.read().splitlines() if line.startswith("{")]
+    assert lines, "a stopped volunteer prints what it did"
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
 def _status(peers: Peers, run: str, maddr: str) -> dict[str, Any]:
     out = subprocess.run(
         bound([sys.executable, "-m", "flotilla", "volunteer", "status", "--run", run,
@@ -165,8 +173,15 @@ def test_four_volunteers_train_survive_kills_catch_up_late_and_resume_after_all_
     # kill -9 one volunteer mid-run: the others finish their next epoch within 2x the
     # averaging timeout.
     ids = [_peer_id(peers, f"v{i}") for i in range(4)]
+    victim = psutil.Process(volunteers[0].pid)
+    tree = [victim.pid, *(p.pid for p in victim.children(recursive=True))]
     os.killpg(volunteers[0].pid, signal.SIGKILL)
     killed_at = time.monotonic()
+    # hivemind hands tensors between its processes as /dev/shm files by default, which a
+    # kill -9 leaves behind (hundreds a peer); flotilla's peers hand them as descriptors.
+    shm = Path("/dev/shm")
+    left = [f.name for f in shm.glob("torch_*") if int(f.name.split("_")[1]) in tree]
+    assert not left, f"{len(left)} shared-memory files of a killed volunteer: {left[:5]}"
     before = _peer_epochs(run, maddr)
     _wait(
         "every survivor to finish an epoch",
@@ -339,6 +354,9 @@ def test_ctrl_c_stops_peers_with_their_workers_and_a_healthy_run_logs_no_error(
     _wait("its epoch", lambda: _peer_epochs(run, maddr).get(leaver, -1) > joined_at, 120)
     os.killpg(late.pid, signal.SIGINT)
     assert late.wait(timeout=5) == 130, peers.log("v2")[-3000:]
+    # What it did is printed on Ctrl-C, before it leaves: a hard stop cannot lose it.
+    report = _report(late)
+    assert report["peer"] == leaver and report["steps"] > 0, report
     stayer = _peer_id(peers, "v1")
     left_at = _peer_epochs(run, maddr)[stayer]
     _wait("an epoch without it", lambda: _peer_epochs(run, maddr)[stayer] > left_at, 120)
@@ -365,6 +383,8 @@ def test_ctrl_c_stops_peers_with_their_workers_and_a_healthy_run_logs_no_error(
         )
         # Ctrl-C is status 130 (docs/cli.md); the coordinator serves until stopped.
         assert proc.returncode == (130 if group else 0)
+        if group:
+            assert _report(proc)["peer"] == stayer
     for name in ("coordinator", "v1", "v2"):
         log = peers.log(name)
         noisy = [line for line in log.splitlines() if "ERROR" in line or "Traceback" in line]

@@ -107,22 +107,24 @@ def _join(args: argparse.Namespace) -> int:
     def ready(peer: str, record: Any) -> None:
         print(f"joined run {record.run} as {peer}", file=sys.stderr, flush=True)
 
+    def trained(report: Any) -> None:  # printed before leaving: a hard stop may end that
+        print(
+            json.dumps(
+                {
+                    "peer": report.peer,
+                    "first_epoch": report.first_epoch,
+                    "last_epoch": report.last_epoch,
+                    "steps": report.steps,
+                    "samples": report.samples,
+                    "averaged_epochs": report.averaged_epochs,
+                    "epoch_losses": {str(e): v for e, v in sorted(report.epoch_losses.items())},
+                }
+            ),
+            flush=True,
+        )
+
     stop = stop_on_signals(options.timeouts.swarm_leave_s)
-    report = run_volunteer(options, stop, ready)
-    print(
-        json.dumps(
-            {
-                "peer": report.peer,
-                "first_epoch": report.first_epoch,
-                "last_epoch": report.last_epoch,
-                "steps": report.steps,
-                "samples": report.samples,
-                "averaged_epochs": report.averaged_epochs,
-                "epoch_losses": {str(e): v for e, v in sorted(report.epoch_losses.items())},
-            }
-        ),
-        flush=True,
-    )
+    run_volunteer(options, stop, ready, on_trained=trained)
     if stop.is_set():  # Ctrl-C: peers were told, averagers stopped; hivemind's waits are not
         exit_now(130)
     return 0

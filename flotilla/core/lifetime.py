@@ -18,11 +18,14 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 #: linux/prctl.h
 PR_SET_PDEATHSIG = 1
+#: How often a step that swallowed a stop signal's interrupt gets it again.
+RESEND_EVERY_S = 0.2
 
 
 def die_with_parent() -> None:
@@ -98,9 +101,10 @@ class StopEvent(threading.Event):
         finally:
             self._blocked -= 1
 
-    def signalled(self) -> None:
+    def signalled(self, sig: int | None = None) -> None:
         """The handler's part: set, arm the hard stop, start the callbacks, and interrupt a
-        blocked step."""
+        blocked step. With ``sig`` (the signal that arrived), a step that swallows the
+        interrupt is sent ``sig`` again, to its thread, until it returns."""
         if not self.is_set():
             if self._hard_stop_s is not None:
                 timer = threading.Timer(self._hard_stop_s, end_now, args=(self._hard_stop_s,))
@@ -108,9 +112,24 @@ class StopEvent(threading.Event):
                 timer.start()
             for callback in self._on_stop:  # not in the handler: it may need a lock held here
                 threading.Thread(target=callback, name="on-stop", daemon=True).start()
+            if sig is not None and self._blocked:
+                blocked = threading.get_ident()
+                threading.Thread(target=self._resend, args=(blocked, sig), daemon=True).start()
         self.set()
         if self._blocked:
             raise Interrupted
+
+    def _resend(self, thread: int, sig: int) -> None:
+        """hivemind catches BaseException around some waits (an averaging round's result):
+        an Interrupted raised there is logged, and the step goes on to its next wait, up to
+        a round's timeout. Signal the step's thread again while it stays blocked, until one
+        lands outside such a catch; to the thread itself, since a signal to the process may
+        be delivered to another thread and leave the blocked one asleep."""
+        while self._blocked:
+            time.sleep(RESEND_EVERY_S)
+            if self._blocked:
+                with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+                    signal.pthread_kill(thread, sig)
 
 
 def end_now(waited_s: float) -> None:
@@ -162,7 +181,7 @@ def stop_on_signals(hard_stop_s: float | None = None) -> StopEvent:
 
     def handle(sig: int, _frame: object) -> None:
         if os.getpid() == owner:
-            stop.signalled()
+            stop.signalled(sig)
             return
         signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)

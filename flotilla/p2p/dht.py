@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import hivemind
+import torch.multiprocessing
 from hivemind.dht.schema import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
@@ -133,6 +134,10 @@ def start_dht(
     here: hivemind 1.1.12 ignores ``Optimizer(client_mode=...)`` and takes the DHT's.
     ``identity_path`` keeps the peer id across restarts (hivemind creates the key file);
     ``startup_s`` defaults to ``Timeouts.dht_start_s``."""
+    # hivemind hands tensors between its processes as files in /dev/shm (its default), and
+    # a peer killed with kill -9 leaves hundreds behind; as descriptors, the kernel frees
+    # them with the process. Set before the DHT forks, for every worker this peer starts.
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
     extra: dict[str, Any] = {}
     if identity_path is not None:
         identity_path.parent.mkdir(parents=True, exist_ok=True)

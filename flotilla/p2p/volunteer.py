@@ -100,7 +100,12 @@ def run_volunteer(
     options: VolunteerOptions,
     stop: StopEvent | None = None,
     on_ready: Callable[[str, RunRecord], None] | None = None,
+    *,
+    on_trained: Callable[[VolunteerReport], None] | None = None,
 ) -> VolunteerReport:
+    """Join ``options.run`` and train until ``stop`` (or ``max_epochs``). ``on_trained``
+    gets the final report before the peer leaves the swarm, which a hard stop may cut short:
+    what the peer did is out even then."""
     stop = stop or StopEvent()
     install_codecs()
     identity = options.state_dir / "identity.key" if options.state_dir else None
@@ -146,6 +151,8 @@ def run_volunteer(
             _train(task, model, opt, batches, options, stop, report, dht, batch_size)
         report.last_epoch = opt.local_epoch
         report.averaged_epochs = opt.averaged_epochs
+        if on_trained is not None:
+            on_trained(report)
         return report
     finally:
         if opt is not None and stop.is_set():
