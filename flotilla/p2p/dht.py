@@ -137,7 +137,7 @@ def start_dht(
     # hivemind hands tensors between its processes as files in /dev/shm (its default), and
     # a peer killed with kill -9 leaves hundreds behind; as descriptors, the kernel frees
     # them with the process. Set before the DHT forks, for every worker this peer starts.
-    torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")  # type: ignore[no-untyped-call]
     extra: dict[str, Any] = {}
     if identity_path is not None:
         identity_path.parent.mkdir(parents=True, exist_ok=True)

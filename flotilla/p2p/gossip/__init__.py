@@ -1,0 +1,13 @@
+"""Gossip averaging for volunteer runs: each peer mixes its parameters with one or a few
+neighbours after its local steps, with no group to form and no barrier (docs/p2p.md,
+"Gossip").
+
+- :mod:`flotilla.p2p.gossip.graph` -- who mixes with whom at a step, from the membership.
+- :mod:`flotilla.p2p.gossip.pushsum` -- a peer's push-sum state: shares it sends, shares
+  it takes, the network average kept unbiased when messages are lost.
+"""
+
+from flotilla.p2p.gossip.graph import TOPOLOGIES, Graph
+from flotilla.p2p.gossip.pushsum import PushSum, Share
+
+__all__ = ["TOPOLOGIES", "Graph", "PushSum", "Share"]

@@ -1,0 +1,99 @@
+"""A peer's push-sum state, de-biased: the model's own tensors are its estimate of the
+network average, and a weight says how much of the network's mass it holds.
+
+Push-sum (Kempe, Dobra and Gehrke, 2003) keeps a numerator ``s`` and a weight ``w`` per
+peer; a peer sends part of both, the receiver adds them, and every ``s / w`` converges to
+the average, on directed and time-varying graphs. Here the tensors hold ``z = s / w`` and
+only the weight moves: a :class:`Share` carries the sender's ``z`` and a part of its
+weight; the receiver mixes ``z <- (w z + w' z') / (w + w')``; the sender gives up what the
+receiver took. The network's mass (the sum of ``w z``) and weight (the sum of ``w``) never
+change, so the network average stays exact when messages are lost: a share that did not
+arrive (no answer, a timeout, a refusal) is simply not given up.
+
+A receiver takes at most its own weight of a share (and says how much it took): one
+neighbour can pull a peer at most halfway toward its parameters, whatever weight it claims.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flotilla.core.errors import WireError
+
+#: Below this weight a peer stops sending until it receives: halving it further would only
+#: lose precision (its parameters reach the others through the peers it hears from).
+MIN_SHARE_WEIGHT = 0.5
+
+
+@dataclass(frozen=True)
+class Share:
+    """What a peer sends a neighbour at ``step``: its parameters and part of its weight."""
+
+    step: int
+    weight: float
+    tensors: tuple[torch.Tensor, ...]
+
+
+class PushSum:
+    """Mixes the given tensors in place (a model's parameters); not thread-safe: the peer
+    serialises its shares, its takes and its training steps."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], weight: float = 1.0) -> None:
+        self.tensors = tuple(tensors)
+        self.weight = weight
+
+    def share(self, step: int, parts: int = 1) -> Share | None:
+        """A copy of the parameters and ``1 / (parts + 1)`` of the weight, for each of
+        ``parts`` neighbours; None while the weight is too small to share."""
+        if self.weight < MIN_SHARE_WEIGHT:
+            return None
+        portion = self.weight / (parts + 1)
+        return Share(step, portion, tuple(t.detach().clone() for t in self.tensors))
+
+    def given(self, share: Share, taken: float) -> None:
+        """A neighbour took ``taken`` of ``share``'s weight: that mass (``taken`` times the
+        parameters as sent, however they changed since) is no longer this peer's."""
+        if not 0.0 < taken <= share.weight:
+            return
+        left = self.weight - taken
+        with torch.no_grad():
+            for mine, sent in zip(self.tensors, share.tensors, strict=True):
+                # z <- (w z - taken z_sent) / (w - taken): exact whatever was mixed meanwhile.
+                mine.mul_(self.weight / left).sub_(sent.to(mine.dtype), alpha=taken / left)
+        self.weight = left
+
+    def take(self, share: Share) -> float:
+        """Mix a neighbour's share in; the weight taken (at most this peer's own). A share
+        of the wrong shapes, dtype or size, with non-finite values or a weight that is not
+        positive and finite is refused with WireError, and nothing changes."""
+        self.check(share)
+        taken = min(share.weight, self.weight)
+        total = self.weight + taken
+        with torch.no_grad():
+            for mine, theirs in zip(self.tensors, share.tensors, strict=True):
+                mine.mul_(self.weight / total).add_(theirs.to(mine.dtype), alpha=taken / total)
+        self.weight = total
+        return taken
+
+    def check(self, share: Share) -> None:
+        """WireError unless ``share`` could be mixed into these tensors."""
+        if not (math.isfinite(share.weight) and share.weight > 0):
+            raise WireError(f"a share's weight must be positive and finite, not {share.weight}")
+        if len(share.tensors) != len(self.tensors):
+            raise WireError(
+                f"a share of {len(share.tensors)} tensors for a model of {len(self.tensors)}"
+            )
+        for i, (mine, theirs) in enumerate(zip(self.tensors, share.tensors, strict=True)):
+            if theirs.shape != mine.shape:
+                raise WireError(
+                    f"tensor {i} of a share has shape {tuple(theirs.shape)}, "
+                    f"not {tuple(mine.shape)}"
+                )
+            if not theirs.dtype.is_floating_point:
+                raise WireError(f"tensor {i} of a share is {theirs.dtype}, not floating point")
+            if not bool(torch.isfinite(theirs).all()):
+                raise WireError(f"tensor {i} of a share holds NaN or Inf")
