@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flotilla.core.errors import ConfigError, WireError
-from flotilla.p2p.gossip import TOPOLOGIES, Graph, PushSum, Share
+from flotilla.p2p.gossip import TOPOLOGIES, GossipShare, Graph, PushSum
 
 PEERS = [f"peer-{i:02d}" for i in range(8)]
 
@@ -142,13 +142,13 @@ def test_a_malformed_share_is_refused_and_changes_nothing() -> None:
     state = PushSum(model)
     good = (torch.ones(3, 2), torch.ones(4))
     bad = {
-        "shape": Share(0, 0.5, (torch.ones(2, 3), torch.ones(4))),
-        "count": Share(0, 0.5, good[:1]),
-        "NaN": Share(0, 0.5, (torch.full((3, 2), math.nan), torch.ones(4))),
-        "Inf": Share(0, 0.5, (torch.ones(3, 2), torch.full((4,), math.inf))),
-        "dtype": Share(0, 0.5, (torch.ones(3, 2, dtype=torch.int64), torch.ones(4))),
-        "weight": Share(0, -1.0, good),
-        "NaN weight": Share(0, math.nan, good),
+        "shape": GossipShare(0, 0.5, (torch.ones(2, 3), torch.ones(4))),
+        "count": GossipShare(0, 0.5, good[:1]),
+        "NaN": GossipShare(0, 0.5, (torch.full((3, 2), math.nan), torch.ones(4))),
+        "Inf": GossipShare(0, 0.5, (torch.ones(3, 2), torch.full((4,), math.inf))),
+        "dtype": GossipShare(0, 0.5, (torch.ones(3, 2, dtype=torch.int64), torch.ones(4))),
+        "weight": GossipShare(0, -1.0, good),
+        "NaN weight": GossipShare(0, math.nan, good),
     }
     for name, share in bad.items():
         with pytest.raises(WireError):
@@ -157,12 +157,15 @@ def test_a_malformed_share_is_refused_and_changes_nothing() -> None:
         assert torch.equal(model[0], torch.ones(3, 2)) and torch.equal(model[1], torch.zeros(4))
 
 
-def test_a_share_claiming_a_huge_weight_pulls_a_peer_at_most_halfway() -> None:
-    tensor = torch.zeros(4)
-    state = PushSum([tensor], weight=0.5)
-    taken = state.take(Share(0, 1e9, (torch.full((4,), 10.0),)))
-    assert taken == 0.5 and state.weight == 1.0
-    assert torch.allclose(tensor, torch.full((4,), 5.0))
+def test_a_share_claiming_a_huge_weight_pulls_a_peer_at_most_one_peers_weight() -> None:
+    """Whatever a neighbour claims, a peer moves at most halfway (one lighter than 1, of
+    weight w: 1 / (1 + w) of the way), and the answer says how much was taken."""
+    for weight, expected in ((1.0, 5.0), (0.5, 20 / 3), (3.0, 5.0)):
+        tensor = torch.zeros(4)
+        state = PushSum([tensor], weight=weight)
+        taken = state.take(GossipShare(0, 1e9, (torch.full((4,), 10.0),)))
+        assert taken == max(weight, 1.0) and state.weight == weight + taken
+        assert torch.allclose(tensor, torch.full((4,), expected))
 
 
 def test_giving_up_a_share_is_exact_whatever_was_mixed_in_meanwhile() -> None:
@@ -184,8 +187,8 @@ def test_giving_up_a_share_is_exact_whatever_was_mixed_in_meanwhile() -> None:
     assert torch.allclose(a.weight * mine + b.weight * theirs, before)
 
 
-def test_a_peer_with_little_weight_left_waits_to_receive_before_sharing_again() -> None:
-    state = PushSum([torch.zeros(2)], weight=0.4)
+def test_a_peer_with_almost_no_weight_left_waits_to_receive_before_sharing_again() -> None:
+    state = PushSum([torch.zeros(2)], weight=1e-7)
     assert state.share(0) is None
-    state.take(Share(0, 0.3, (torch.ones(2),)))
+    state.take(GossipShare(0, 0.3, (torch.ones(2),)))
     assert state.share(1) is not None

@@ -8,6 +8,6 @@ neighbours after its local steps, with no group to form and no barrier (docs/p2p
 """
 
 from flotilla.p2p.gossip.graph import TOPOLOGIES, Graph
-from flotilla.p2p.gossip.pushsum import PushSum, Share
+from flotilla.p2p.gossip.pushsum import GossipShare, PushSum
 
-__all__ = ["TOPOLOGIES", "Graph", "PushSum", "Share"]
+__all__ = ["TOPOLOGIES", "GossipShare", "Graph", "PushSum"]

@@ -4,14 +4,16 @@ network average, and a weight says how much of the network's mass it holds.
 Push-sum (Kempe, Dobra and Gehrke, 2003) keeps a numerator ``s`` and a weight ``w`` per
 peer; a peer sends part of both, the receiver adds them, and every ``s / w`` converges to
 the average, on directed and time-varying graphs. Here the tensors hold ``z = s / w`` and
-only the weight moves: a :class:`Share` carries the sender's ``z`` and a part of its
+only the weight moves: a :class:`GossipShare` carries the sender's ``z`` and a part of its
 weight; the receiver mixes ``z <- (w z + w' z') / (w + w')``; the sender gives up what the
 receiver took. The network's mass (the sum of ``w z``) and weight (the sum of ``w``) never
 change, so the network average stays exact when messages are lost: a share that did not
 arrive (no answer, a timeout, a refusal) is simply not given up.
 
-A receiver takes at most its own weight of a share (and says how much it took): one
-neighbour can pull a peer at most halfway toward its parameters, whatever weight it claims.
+A receiver takes at most one peer's starting weight (1) of a share, or its own weight if
+that is more, and says how much it took: whatever weight a neighbour claims, it pulls a peer
+at most halfway toward its parameters (one lighter than 1, of weight ``w``, ``1 / (1 + w)``
+of the way), while an honest peer that grew heavy still sheds its weight.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ import torch
 
 from flotilla.core.errors import WireError
 
-#: Below this weight a peer stops sending until it receives: halving it further would only
-#: lose precision (its parameters reach the others through the peers it hears from).
-MIN_SHARE_WEIGHT = 0.5
+#: Below this weight a peer stops sending until it receives: its weight halves with every
+#: share it gives, and after some thousand unanswered halvings it would underflow.
+MIN_SHARE_WEIGHT = 1e-6
 
 
 @dataclass(frozen=True)
-class Share:
+class GossipShare:
     """What a peer sends a neighbour at ``step``: its parameters and part of its weight."""
 
     step: int
@@ -46,15 +48,15 @@ class PushSum:
         self.tensors = tuple(tensors)
         self.weight = weight
 
-    def share(self, step: int, parts: int = 1) -> Share | None:
+    def share(self, step: int, parts: int = 1) -> GossipShare | None:
         """A copy of the parameters and ``1 / (parts + 1)`` of the weight, for each of
         ``parts`` neighbours; None while the weight is too small to share."""
         if self.weight < MIN_SHARE_WEIGHT:
             return None
         portion = self.weight / (parts + 1)
-        return Share(step, portion, tuple(t.detach().clone() for t in self.tensors))
+        return GossipShare(step, portion, tuple(t.detach().clone() for t in self.tensors))
 
-    def given(self, share: Share, taken: float) -> None:
+    def given(self, share: GossipShare, taken: float) -> None:
         """A neighbour took ``taken`` of ``share``'s weight: that mass (``taken`` times the
         parameters as sent, however they changed since) is no longer this peer's."""
         if not 0.0 < taken <= share.weight:
@@ -66,12 +68,13 @@ class PushSum:
                 mine.mul_(self.weight / left).sub_(sent.to(mine.dtype), alpha=taken / left)
         self.weight = left
 
-    def take(self, share: Share) -> float:
-        """Mix a neighbour's share in; the weight taken (at most this peer's own). A share
+    def take(self, share: GossipShare) -> float:
+        """Mix a neighbour's share in; the weight taken (at most 1, or this peer's own weight
+        if that is more). A share
         of the wrong shapes, dtype or size, with non-finite values or a weight that is not
         positive and finite is refused with WireError, and nothing changes."""
         self.check(share)
-        taken = min(share.weight, self.weight)
+        taken = min(share.weight, max(self.weight, 1.0))
         total = self.weight + taken
         with torch.no_grad():
             for mine, theirs in zip(self.tensors, share.tensors, strict=True):
@@ -79,7 +82,7 @@ class PushSum:
         self.weight = total
         return taken
 
-    def check(self, share: Share) -> None:
+    def check(self, share: GossipShare) -> None:
         """WireError unless ``share`` could be mixed into these tensors."""
         if not (math.isfinite(share.weight) and share.weight > 0):
             raise WireError(f"a share's weight must be positive and finite, not {share.weight}")

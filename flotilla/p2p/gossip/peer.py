@@ -1,0 +1,188 @@
+"""One gossiping peer: a step's shares out, its neighbours' shares in, over any transport.
+
+A step sends this peer's share to its out-neighbours (the graph at that step over the
+current members) and gives up what each took, waiting for their answers at most ``wait_s``
+from the step's start. In ``sync`` mode it also waits, at most half of ``wait_s``, for the
+shares its in-neighbours send at the same step and mixes them then, so both sides of every
+edge mix the same step while links deliver; in ``async`` mode a share is mixed the moment it
+arrives, whatever step either side is at. A share for a step this peer has passed is mixed
+at once in both modes. One for a step it has not reached is held until it gets there, for
+as long as the share's sender said it can wait (``hold_s``, its own wait less a margin for
+the answer's way back); if that runs out it is answered "nothing taken", and the sender
+keeps its weight. A lost share costs its receiver at most half a wait, so a receiver that
+waited in vain still reaches its next step before that step's senders give up.
+
+Nothing here knows the network: the transport sends a share and returns the weight taken,
+and calls :meth:`GossipPeer.receive` for each share that arrives (in-process in tests,
+hivemind's libp2p in a volunteer run). All of it runs on one asyncio loop; the lock is for
+the training thread, which holds it while its optimizer changes the same tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from flotilla.core.errors import FlotillaError, UpdateRejected
+from flotilla.p2p.gossip.graph import Graph
+from flotilla.p2p.gossip.pushsum import GossipShare, PushSum
+
+log = logging.getLogger(__name__)
+
+#: ``sync`` (both sides of an edge mix the same step) or ``async`` (mix on arrival).
+MODES = ("sync", "async")
+#: Of a sender's wait, the part kept for its answer's way back (a receiver holds an early
+#: share for the rest).
+ANSWER_MARGIN = 0.1
+
+
+class ShareTransport(Protocol):
+    async def send(self, peer: str, share: GossipShare, hold_s: float) -> float:
+        """Deliver ``share`` to ``peer``, which may hold it ``hold_s`` for its step; the
+        weight it took. Raises when it was not delivered (unreachable, timed out, refused):
+        then nothing was taken."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one gossip step did, for the peer's log and its status."""
+
+    step: int
+    sent_to: tuple[str, ...]
+    #: Of ``sent_to``, those that took (part of) the share.
+    taken_by: tuple[str, ...]
+    #: Peers whose shares this step mixed (sync: its in-neighbours that sent in time).
+    mixed_from: tuple[str, ...]
+    weight: float
+
+
+class GossipPeer:
+    def __init__(
+        self,
+        me: str,
+        state: PushSum,
+        graph: Graph,
+        transport: ShareTransport,
+        members: Callable[[], Sequence[str]],
+        *,
+        mode: str = "sync",
+        wait_s: float,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"gossip mode is one of {', '.join(MODES)}, not {mode!r}")
+        self.me, self.state, self.graph = me, state, graph
+        self._transport, self._members = transport, members
+        self._mode, self._wait_s = mode, wait_s
+        #: Held while the tensors change: a mix here, an optimizer step in the training thread.
+        self.lock = threading.Lock()
+        self._step = -1
+        #: Shares waiting for a step this peer has not mixed yet: step -> (sender, share,
+        #: the answer its sender waits for).
+        self._early: dict[int, list[tuple[str, GossipShare, asyncio.Future[float]]]] = {}
+        self._refused: set[str] = set()
+        self._mixed_now: list[str] = []
+        self._arrived = asyncio.Event()
+
+    async def receive(self, sender: str, share: GossipShare, hold_s: float) -> float:
+        """A neighbour's share arrived: the weight taken (0 when it came for a step this
+        peer did not reach within ``hold_s``). UpdateRejected for a sender outside the run,
+        WireError for a share that does not fit this model; each logged once per sender."""
+        try:
+            if sender not in self._members():
+                raise UpdateRejected(f"{sender} is not a member of this run")
+            self.state.check(share)
+        except FlotillaError as exc:
+            if sender not in self._refused:
+                self._refused.add(sender)
+                log.warning("refused a gossip share from %s: %s", sender, exc)
+            raise
+        if self._mode == "async" or share.step <= self._step:
+            return self._take(sender, share)
+        answer: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._early.setdefault(share.step, []).append((sender, share, answer))
+        try:
+            hold = min(max(hold_s, 0.0), self._wait_s)
+            return await asyncio.wait_for(asyncio.shield(answer), hold)
+        except asyncio.TimeoutError:
+            if answer.done():  # mixed just as the wait ran out
+                return answer.result()
+            answer.cancel()  # never mixed now: the sender keeps its weight
+            return 0.0
+        except asyncio.CancelledError:
+            answer.cancel()  # the sender hung up: never mix what it will not give up
+            raise
+
+    async def gossip(self, step: int) -> StepReport:
+        """Step ``step``: send this peer's share, mix what its neighbours sent (sync: wait
+        for them at most ``wait_s``), give up what was taken."""
+        began = asyncio.get_running_loop().time()
+        deadline = began + self._wait_s
+        members = list(self._members())
+        targets = self.graph.out_neighbours(members, self.me, step)
+        with self.lock:
+            share = self.state.share(step, len(targets)) if targets else None
+        sends: dict[str, asyncio.Future[float]] = {}
+        if share is not None:
+            hold_s = self._wait_s * (1 - ANSWER_MARGIN)
+            sends = {
+                p: asyncio.ensure_future(self._transport.send(p, share, hold_s)) for p in targets
+            }
+        self._step = step
+        self._mixed_now = []
+        self._mix_early(step)
+        if self._mode == "sync":
+            await self._await_neighbours(members, step, began + self._wait_s / 2)
+        taken_by = []
+        if sends:  # a receiver answers within the hold it was given
+            remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+            await asyncio.wait(sends.values(), timeout=remaining)
+        for peer, sent in sends.items():
+            if not sent.done():
+                sent.cancel()
+                continue
+            if sent.cancelled() or sent.exception() is not None:
+                continue
+            taken = sent.result()
+            if share is not None and taken > 0:
+                with self.lock:
+                    self.state.given(share, min(taken, share.weight))
+                taken_by.append(peer)
+        mixed_from, self._mixed_now = tuple(self._mixed_now), []
+        return StepReport(step, tuple(sends), tuple(taken_by), mixed_from, self.state.weight)
+
+    async def _await_neighbours(self, members: Sequence[str], step: int, deadline: float) -> None:
+        """Until every in-neighbour's share of ``step`` is mixed, or the deadline: they
+        arrive through :meth:`receive`, which mixes them at once now the step is current."""
+        expected = set(self.graph.in_neighbours(members, self.me, step))
+        loop = asyncio.get_running_loop()
+        while not expected <= set(self._mixed_now) and loop.time() < deadline:
+            self._arrived.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
+
+    def _mix_early(self, step: int) -> None:
+        for due in sorted(s for s in self._early if s <= step):
+            for sender, share, answer in self._early.pop(due):
+                if not answer.done():
+                    answer.set_result(self._take(sender, share))
+
+    def _take(self, sender: str, share: GossipShare) -> float:
+        with self.lock:
+            taken = self.state.take(share)
+        self._mixed_now.append(sender)
+        self._arrived.set()
+        return taken
+
+    def close(self) -> None:
+        """Answer every share still waiting "nothing taken": their senders keep them."""
+        for waiting in self._early.values():
+            for _, _, answer in waiting:
+                with contextlib.suppress(asyncio.InvalidStateError):
+                    answer.set_result(0.0)
+        self._early.clear()

@@ -1,0 +1,125 @@
+"""Gossip shares over real hivemind peers (two DHT nodes and their libp2p daemons on
+127.0.0.1, in this process): shares mix, answers carry the weight taken, and a share that
+does not fit is refused on the wire with nothing taken."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hivemind.compression import NoCompression
+from hivemind.proto.averaging_pb2 import DownloadData
+
+from flotilla.core.errors import Unreachable, WireError
+from flotilla.p2p import start_dht
+from flotilla.p2p.codecs import hivemind_compression
+from flotilla.p2p.dht import visible_maddrs
+from flotilla.p2p.gossip import GossipShare, Graph, PushSum
+from flotilla.p2p.gossip.peer import GossipPeer
+from flotilla.p2p.gossip.wire import LibP2PTransport, read_share, share_messages
+
+pytestmark = [pytest.mark.xdist_group(__name__), pytest.mark.timeout(180)]
+
+SHAPES = (torch.Size([300, 40]), torch.Size([40]))
+
+
+@pytest.fixture
+def dhts() -> Iterator[list[Any]]:
+    first = start_dht()
+    second = start_dht(visible_maddrs(first))
+    try:
+        yield [first, second]
+    finally:
+        for dht in (first, second):
+            dht.shutdown()
+
+
+def _model(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) for s in SHAPES]
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_two_peers_mix_over_libp2p_to_their_average(dhts: list[Any], compression: str) -> None:
+    models = [_model(0), _model(1)]
+    mean = [(a + b) / 2 for a, b in zip(*models, strict=True)]
+    ids = [str(d.peer_id) for d in dhts]
+
+    async def main() -> None:
+        peers = []
+        for dht, me, model in zip(dhts, ids, models, strict=True):
+            p2p = await dht.replicate_p2p()
+            codec = hivemind_compression(compression)
+            transport = LibP2PTransport(p2p, "wiretest", codec, SHAPES, send_s=20.0)
+            peer = GossipPeer(me, PushSum(model), Graph(), transport, lambda: ids, wait_s=10.0)
+            await transport.serve(peer)
+            peers.append(peer)
+        reports = await asyncio.gather(*(p.gossip(0) for p in peers))
+        for report, other in zip(reports, reversed(ids), strict=True):
+            assert report.taken_by == (other,) and report.mixed_from == (other,)
+
+    asyncio.run(main())
+    tolerance = 1e-6 if compression == "none" else 0.05  # int8: a step of 1/127 of absmax
+    for model in models:
+        for tensor, target in zip(model, mean, strict=True):
+            assert torch.allclose(tensor, target, atol=tolerance)
+
+
+def test_a_share_of_another_model_is_refused_on_the_wire_and_nothing_is_taken(
+    dhts: list[Any],
+) -> None:
+    ids = [str(d.peer_id) for d in dhts]
+    receiver_model = _model(0)
+    before = [t.clone() for t in receiver_model]
+
+    async def main() -> None:
+        p2p_a, p2p_b = [await d.replicate_p2p() for d in dhts]
+        serving = LibP2PTransport(p2p_b, "wiretest", NoCompression(), SHAPES, send_s=10.0)
+        receiver = GossipPeer(ids[1], PushSum(receiver_model), Graph(), serving, lambda: ids,
+                              mode="async", wait_s=5.0)  # fmt: skip
+        await serving.serve(receiver)
+        sending = LibP2PTransport(p2p_a, "wiretest", NoCompression(), SHAPES, send_s=10.0)
+        wrong = GossipShare(0, 0.5, (torch.zeros(300, 41), torch.zeros(40)))
+        with pytest.raises(Unreachable, match="shape"):
+            await sending.send(ids[1], wrong, 1.0)
+        nan = GossipShare(0, 0.5, (torch.full((300, 40), float("nan")), torch.zeros(40)))
+        with pytest.raises(Unreachable, match="NaN"):
+            await sending.send(ids[1], nan, 1.0)
+
+    asyncio.run(main())
+    assert all(torch.equal(a, b) for a, b in zip(receiver_model, before, strict=True))
+
+
+async def _stream(messages: list[DownloadData]) -> AsyncIterator[DownloadData]:
+    for message in messages:
+        yield message
+
+
+def test_a_stream_larger_than_the_model_or_with_a_bad_header_is_refused() -> None:
+    share = GossipShare(3, 0.5, tuple(torch.ones(s) for s in SHAPES))
+    messages = share_messages(share, NoCompression(), 2.5)
+    decoded, hold_s = asyncio.run(read_share(_stream(messages), SHAPES))
+    assert hold_s == 2.5
+    assert decoded.step == 3 and decoded.weight == 0.5
+    assert all(torch.equal(a, b) for a, b in zip(decoded.tensors, share.tensors, strict=True))
+
+    padded = messages + messages[1:] * 3  # the same tensors again: more than the model needs
+    with pytest.raises(WireError, match="more than this model needs"):
+        asyncio.run(read_share(_stream(padded), SHAPES))
+    bad_headers: list[Any] = [
+        b"not json",
+        json.dumps({"version": 2, "step": 0, "weight": 1.0, "hold_s": 1, "tensors": 2}),
+        json.dumps({"version": 1, "step": -1, "weight": 1.0, "hold_s": 1, "tensors": 2}),
+        json.dumps({"version": 1, "step": 0, "weight": "1", "hold_s": 1, "tensors": 2}),
+        json.dumps({"version": 1, "step": 0, "weight": 1.0, "hold_s": 1, "tensors": 2, "x": 1}),
+        json.dumps({"version": 1, "step": 0, "weight": 1.0, "hold_s": 1, "tensors": 3}),
+        json.dumps({"version": 1, "step": 0, "weight": 1.0, "tensors": 2}),
+    ]
+    for header in bad_headers:
+        raw = header if isinstance(header, bytes) else header.encode()
+        with pytest.raises(WireError):
+            asyncio.run(read_share(_stream([DownloadData(metadata=raw), *messages[1:]]), SHAPES))
