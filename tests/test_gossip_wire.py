@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -123,3 +124,62 @@ def test_a_stream_larger_than_the_model_or_with_a_bad_header_is_refused() -> Non
         raw = header if isinstance(header, bytes) else header.encode()
         with pytest.raises(WireError):
             asyncio.run(read_share(_stream([DownloadData(metadata=raw), *messages[1:]]), SHAPES))
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_three_runners_beside_training_threads_agree(delayed: bool) -> None:
+    """Three peers, each a training thread with its gossip on a thread of its own. With
+    delayed averaging a step's shares travel while the next step computes (its future is
+    collected one step later); either way the peers end at the average."""
+    from flotilla.p2p.gossip.runner import GossipRunner
+
+    first = start_dht()
+    others = [start_dht(visible_maddrs(first)) for _ in range(2)]
+    dhts = [first, *others]
+    ids = [str(d.peer_id) for d in dhts]
+    models = [_model(i) for i in range(3)]
+    mean = [sum(ts) / 3 for ts in zip(*models, strict=True)]
+    runners = []
+    reports: list[Any] = []
+    try:
+        for dht, model in zip(dhts, models, strict=True):
+            runner = GossipRunner(
+                dht, "runnertest", model, lambda: ids,
+                graph=Graph(), compression=NoCompression(), mode="sync", wait_s=10.0,
+            )  # fmt: skip
+            runners.append(runner.start(start_s=30))
+
+        def train(runner: GossipRunner) -> None:
+            pending = None
+            for step in range(24):
+                with runner.lock:  # a local step would change the parameters here
+                    pass
+                future = runner.step(step)
+                future.add_done_callback(lambda f: reports.append(f.result()))
+                if delayed:
+                    if pending is not None:
+                        pending.result(timeout=30)
+                    pending = future
+                else:
+                    future.result(timeout=30)
+            if pending is not None:
+                pending.result(timeout=30)
+
+        threads = [threading.Thread(target=train, args=(r,)) for r in runners]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        # Every share of every step was taken (a lost one would slow the mixing).
+        assert len(reports) == 3 * 24 and all(r.taken_by == r.sent_to for r in reports), reports
+        assert sum(r.weight for r in runners) == pytest.approx(3.0)
+        spread = max(
+            float((t - m).abs().max()) for ts in models for t, m in zip(ts, mean, strict=True)
+        )
+        assert spread < 1e-4, spread  # 3 peers in step: each step halves the spread
+    finally:
+        for runner in runners:
+            runner.close(close_s=10)
+        for dht in dhts:
+            dht.shutdown()

@@ -88,6 +88,7 @@ class GossipPeer:
         self._refused: set[str] = set()
         self._mixed_now: list[str] = []
         self._arrived = asyncio.Event()
+        self._stepping = asyncio.Lock()
 
     async def receive(self, sender: str, share: GossipShare, hold_s: float) -> float:
         """A neighbour's share arrived: the weight taken (0 when it came for a step this
@@ -120,7 +121,12 @@ class GossipPeer:
 
     async def gossip(self, step: int) -> StepReport:
         """Step ``step``: send this peer's share, mix what its neighbours sent (sync: wait
-        for them at most ``wait_s``), give up what was taken."""
+        for them at most ``wait_s``), give up what was taken. A step asked for while the
+        last one still runs (delayed averaging) starts when it ends."""
+        async with self._stepping:
+            return await self._gossip(step)
+
+    async def _gossip(self, step: int) -> StepReport:
         began = asyncio.get_running_loop().time()
         deadline = began + self._wait_s
         members = list(self._members())
@@ -147,6 +153,7 @@ class GossipPeer:
                 sent.cancel()
                 continue
             if sent.cancelled() or sent.exception() is not None:
+                log.debug("step %d: %s took nothing: %r", step, peer, sent.exception())
                 continue
             taken = sent.result()
             if share is not None and taken > 0:

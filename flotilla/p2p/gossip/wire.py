@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -28,6 +29,8 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from flotilla.core.errors import FlotillaError, Unreachable, WireError
 from flotilla.p2p.gossip.peer import GossipPeer
 from flotilla.p2p.gossip.pushsum import GossipShare
+
+log = logging.getLogger(__name__)
 
 VERSION = 1
 HEADER_FIELDS = frozenset({"version", "step", "weight", "hold_s", "tensors"})
@@ -173,5 +176,8 @@ class LibP2PTransport:
                 return answer(await peer.receive(sender, share, hold_s))
             except FlotillaError as exc:
                 return answer(0.0, str(exc) or type(exc).__name__)
+            except Exception as exc:  # a bug here must not look like a silent peer
+                log.exception("a gossip share from %s failed", sender)
+                return answer(0.0, f"the receiver failed: {exc!r}")
 
         await self._p2p.add_protobuf_handler(self._name, handle, DownloadData, stream_input=True)
