@@ -192,3 +192,17 @@ def test_a_peer_with_almost_no_weight_left_waits_to_receive_before_sharing_again
     assert state.share(0) is None
     state.take(GossipShare(0, 0.3, (torch.ones(2),)))
     assert state.share(1) is not None
+
+
+def test_the_graphs_are_the_ones_docs_p2p_protocol_writes_down() -> None:
+    """Another implementation computes the same neighbours from docs/p2p-protocol.md."""
+    members = sorted(PEERS)
+    n = len(members)
+    for step in range(10):
+        for i, peer in enumerate(members):
+            hop = 2 ** (step % math.ceil(math.log2(n)))
+            assert Graph().out_neighbours(members, peer, step) == (members[(i + hop) % n],)
+            assert Graph("ring").out_neighbours(members, peer, step) == (members[(i + 1) % n],)
+            others = [m for m in members if m != peer]
+            r = random.Random(f"7:{step}:{peer}").randrange(n - 1)
+            assert Graph("random", seed=7).out_neighbours(members, peer, step) == (others[r],)

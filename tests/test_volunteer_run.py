@@ -306,6 +306,22 @@ def test_a_federation_server_coordinates_a_volunteer_run_and_lists_it(
         server.kill9()
         _, alive = psutil.wait_procs(hosted, timeout=60)
         assert not alive, "the hosted coordinator outlived its server"
+
+        # Restarted, the server hosts the run again; Ctrl-C (SIGINT) stops the server and
+        # its coordinator, with the coordinator's own workers, within 5 s.
+        server.start(timeout=90)
+        assert [r["run"] for r in runs()] == ["lm"]
+        assert server.proc is not None
+        (coordinator,) = [
+            p for p in psutil.Process(server.proc.pid).children() if "coordinate" in p.cmdline()
+        ]
+        tree = [coordinator, *coordinator.children(recursive=True)]
+        began = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        server.proc.wait(timeout=5)
+        _, alive = psutil.wait_procs(tree, timeout=max(0.1, 5 - (time.monotonic() - began)))
+        assert not alive, f"left behind after Ctrl-C: {[p.name() for p in alive]}"
+        print(f"server and coordinator stopped {time.monotonic() - began:.1f} s after SIGINT")
     finally:
         server.stop()
 

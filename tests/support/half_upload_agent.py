@@ -15,6 +15,7 @@ import sys
 import grpc
 
 from flotilla.core.blobs import BlobAssembler, sha256_hex
+from flotilla.core.identity import DeviceIdentity, digest_bytes
 from flotilla.core.tensors import decode_state, encode_state
 from flotilla.proto import PROTOCOL_VERSION
 from flotilla.proto import flotilla_pb2 as pb
@@ -25,10 +26,14 @@ async def main(target: str, token: str, task_name: str) -> None:
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.AgentStub(channel)
         profile = pb.DeviceProfile(tasks=[task_name])
+        identity = DeviceIdentity.generate()  # signed like a real agent's: the server reads on
         enrol = await stub.Enrol(
-            pb.EnrolRequest(protocol_version=PROTOCOL_VERSION, token=token, profile=profile),
+            pb.EnrolRequest(
+                protocol_version=PROTOCOL_VERSION, token=token, profile=profile,
+                public_key=identity.public_key_hex,
+            ),
             timeout=10,
-        )
+        )  # fmt: skip
         md = (
             ("x-flotilla-device", enrol.device_id),
             ("authorization", f"Bearer {enrol.credential}"),
@@ -51,6 +56,9 @@ async def main(target: str, token: str, task_name: str) -> None:
             assembler.add(chunk.data, chunk.offset)
         model = decode_state(bytes(assembler.finish()))
         payload = encode_state({k: v * 0 for k, v in model.items()})
+        signed = identity.sign_update(
+            task.job_id, task.round, task.round_token, digest_bytes(sha256_hex(payload))
+        )
         header = pb.UpdateHeader(
             job_id=task.job_id,
             round=task.round,
@@ -59,6 +67,8 @@ async def main(target: str, token: str, task_name: str) -> None:
             payload_size=len(payload),
             payload_sha256=sha256_hex(payload),
             codec="safetensors",
+            nonce=signed.nonce,
+            signature=signed.signature,
         )
         sent = asyncio.Event()
 

@@ -36,9 +36,9 @@ log = logging.getLogger(__name__)
 
 #: ``sync`` (both sides of an edge mix the same step) or ``async`` (mix on arrival).
 MODES = ("sync", "async")
-#: Of a sender's wait, the part kept for its answer's way back (a receiver holds an early
-#: share for the rest).
-ANSWER_MARGIN = 0.1
+#: Of a sender's wait, the part a receiver may hold its early share (the rest is for the
+#: answer's way back).
+HOLD_FRACTION = 0.9
 
 
 class ShareTransport(Protocol):
@@ -90,6 +90,11 @@ class GossipPeer:
         self._arrived = asyncio.Event()
         self._stepping = asyncio.Lock()
 
+    @property
+    def held(self) -> int:
+        """Shares waiting for a step this peer has not reached."""
+        return sum(len(waiting) for waiting in self._early.values())
+
     async def receive(self, sender: str, share: GossipShare, hold_s: float) -> float:
         """A neighbour's share arrived: the weight taken (0 when it came for a step this
         peer did not reach within ``hold_s``). UpdateRejected for a sender outside the run,
@@ -106,18 +111,26 @@ class GossipPeer:
         if self._mode == "async" or share.step <= self._step:
             return self._take(sender, share)
         answer: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self._early.setdefault(share.step, []).append((sender, share, answer))
+        held = (sender, share, answer)
+        self._early.setdefault(share.step, []).append(held)
         try:
             hold = min(max(hold_s, 0.0), self._wait_s)
             return await asyncio.wait_for(asyncio.shield(answer), hold)
         except asyncio.TimeoutError:
             if answer.done():  # mixed just as the wait ran out
                 return answer.result()
-            answer.cancel()  # never mixed now: the sender keeps its weight
-            return 0.0
-        except asyncio.CancelledError:
-            answer.cancel()  # the sender hung up: never mix what it will not give up
-            raise
+            return 0.0  # never mixed now: the sender keeps its weight
+        finally:  # answered, timed out, or the sender hung up: never mix it later
+            answer.cancel()
+            self._forget(share.step, held)
+
+    def _forget(self, step: int, held: tuple[str, GossipShare, asyncio.Future[float]]) -> None:
+        """Drop a share no longer held (a far-future step must not pin its tensors)."""
+        waiting = [h for h in self._early.get(step, []) if h is not held]
+        if waiting:
+            self._early[step] = waiting
+        else:
+            self._early.pop(step, None)
 
     async def gossip(self, step: int) -> StepReport:
         """Step ``step``: send this peer's share, mix what its neighbours sent (sync: wait
@@ -135,7 +148,7 @@ class GossipPeer:
             share = self.state.share(step, len(targets)) if targets else None
         sends: dict[str, asyncio.Future[float]] = {}
         if share is not None:
-            hold_s = self._wait_s * (1 - ANSWER_MARGIN)
+            hold_s = self._wait_s * HOLD_FRACTION
             sends = {
                 p: asyncio.ensure_future(self._transport.send(p, share, hold_s)) for p in targets
             }

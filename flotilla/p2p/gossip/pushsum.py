@@ -31,7 +31,7 @@ from flotilla.core.errors import WireError
 MIN_SHARE_WEIGHT = 1e-6
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors have no one truth value to compare by
 class GossipShare:
     """What a peer sends a neighbour at ``step``: its parameters and part of its weight."""
 
