@@ -13,6 +13,7 @@ import torch
 
 from flotilla.core.errors import ConfigError, WireError
 from flotilla.p2p.gossip import TOPOLOGIES, GossipShare, Graph, PushSum
+from flotilla.p2p.gossip.consensus import consensus_distance, sketch
 
 PEERS = [f"peer-{i:02d}" for i in range(8)]
 
@@ -206,3 +207,21 @@ def test_the_graphs_are_the_ones_docs_p2p_protocol_writes_down() -> None:
             others = [m for m in members if m != peer]
             r = random.Random(f"7:{step}:{peer}").randrange(n - 1)
             assert Graph("random", seed=7).out_neighbours(members, peer, step) == (others[r],)
+
+
+def test_sketches_estimate_the_consensus_distance_without_the_models() -> None:
+    """Peers publish 32-float sketches (seeded random projections); the distance computed
+    from them estimates the true one within the Johnson-Lindenstrauss error."""
+    gen = torch.Generator().manual_seed(3)
+    centre = [torch.randn(200, 50, generator=gen), torch.randn(50, generator=gen)]
+    models = [
+        [c + spread * torch.randn(c.shape, generator=gen) for c in centre]
+        for spread in (0.01, 0.02, 0.05, 0.1)
+    ]
+    flat = [torch.cat([t.reshape(-1) for t in m]).tolist() for m in models]
+    truth = consensus_distance(flat)
+    estimate = consensus_distance([sketch(m, seed=11) for m in models])
+    assert truth > 0 and abs(estimate - truth) < 0.5 * truth, (estimate, truth)
+    assert sketch(models[0], seed=11) == sketch(models[0], seed=11)  # every peer alike
+    assert consensus_distance([sketch(models[0], seed=11)] * 3) == pytest.approx(0.0, abs=1e-9)
+    assert consensus_distance([]) == 0.0
