@@ -106,14 +106,14 @@ async def _stream(messages: list[DownloadData]) -> AsyncIterator[DownloadData]:
 def test_a_stream_larger_than_the_model_or_with_a_bad_header_is_refused() -> None:
     share = GossipShare(3, 0.5, tuple(torch.ones(s) for s in SHAPES))
     messages = share_messages(share, NoCompression(), 2.5)
-    decoded, hold_s = asyncio.run(read_share(_stream(messages), SHAPES))
+    decoded, hold_s = asyncio.run(read_share(_stream(messages), SHAPES, 5.0))
     assert hold_s == 2.5
     assert decoded.step == 3 and decoded.weight == 0.5
     assert all(torch.equal(a, b) for a, b in zip(decoded.tensors, share.tensors, strict=True))
 
     padded = messages + messages[1:] * 3  # the same tensors again: more than the model needs
     with pytest.raises(WireError, match="more than this model needs"):
-        asyncio.run(read_share(_stream(padded), SHAPES))
+        asyncio.run(read_share(_stream(padded), SHAPES, 5.0))
     bad_headers: list[Any] = [
         b"not json",
         json.dumps({"version": 2, "step": 0, "weight": 1.0, "hold_s": 1, "tensors": 2}),
@@ -126,7 +126,9 @@ def test_a_stream_larger_than_the_model_or_with_a_bad_header_is_refused() -> Non
     for header in bad_headers:
         raw = header if isinstance(header, bytes) else header.encode()
         with pytest.raises(WireError):
-            asyncio.run(read_share(_stream([DownloadData(metadata=raw), *messages[1:]]), SHAPES))
+            asyncio.run(
+                read_share(_stream([DownloadData(metadata=raw), *messages[1:]]), SHAPES, 5.0)
+            )
 
 
 @pytest.mark.parametrize("delayed", [False, True])
@@ -191,3 +193,16 @@ def test_three_runners_beside_training_threads_agree(
             runner.close(close_s=10)
         for dht in dhts:
             dht.shutdown()
+
+
+def test_a_sender_that_stalls_mid_share_is_dropped_after_the_idle_time() -> None:
+    share = GossipShare(0, 0.5, tuple(torch.ones(s) for s in SHAPES))
+    messages = share_messages(share, NoCompression(), 1.0)
+
+    async def stalled() -> AsyncIterator[DownloadData]:
+        yield messages[0]
+        yield messages[1]
+        await asyncio.sleep(3600)  # a slow-loris: holds the handler, sends nothing
+
+    with pytest.raises(WireError, match="stalled"):
+        asyncio.run(read_share(stalled(), SHAPES, 0.2))

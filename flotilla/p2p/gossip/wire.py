@@ -61,13 +61,25 @@ def share_messages(
 
 
 async def read_share(
-    messages: AsyncIterator[DownloadData], shapes: Sequence[torch.Size]
+    messages: AsyncIterator[DownloadData], shapes: Sequence[torch.Size], idle_s: float
 ) -> tuple[GossipShare, float]:
     """The share a stream carries, for a model of ``shapes``, and how long it may be held;
-    WireError for a malformed
-    header, a stream larger than such a model needs, or tensors that do not decode."""
+    WireError for a malformed header, a stream larger than such a model needs, tensors
+    that do not decode, or a sender silent for ``idle_s`` mid-stream."""
     limit = sum(4 * math.prod(s) + TENSOR_OVERHEAD_BYTES for s in shapes) + 2**16
-    first = await anext(messages, None)
+
+    async def following() -> AsyncIterator[DownloadData]:
+        while True:
+            try:
+                message = await asyncio.wait_for(anext(messages, None), idle_s)
+            except asyncio.TimeoutError:
+                raise WireError(f"a gossip share stalled for {idle_s:.0f} s") from None
+            if message is None:
+                return
+            yield message
+
+    stream = following()
+    first = await anext(stream, None)
     if first is None:
         raise WireError("an empty gossip stream")
     step, weight, hold_s, count = _header(first.metadata)
@@ -75,7 +87,7 @@ async def read_share(
         raise WireError(f"a share of {count} tensors for a model of {len(shapes)}")
     parts: list[list[Any]] = []
     received = len(first.metadata)
-    async for message in messages:
+    async for message in stream:
         part = message.tensor_part
         received += len(part.buffer) + len(message.metadata)
         if received > limit:
@@ -172,7 +184,7 @@ class LibP2PTransport:
         ) -> DownloadData:
             sender = context.remote_id.to_base58()
             try:
-                share, hold_s = await read_share(messages, shapes)
+                share, hold_s = await read_share(messages, shapes, self._send_s)
                 return answer(await peer.receive(sender, share, hold_s))
             except FlotillaError as exc:
                 return answer(0.0, str(exc) or type(exc).__name__)
