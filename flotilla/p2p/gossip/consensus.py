@@ -17,6 +17,8 @@ import torch
 
 #: Directions a sketch projects on: 32 floats a peer, distances within about 18 %.
 SKETCH_DIMS = 32
+#: Parameters whose directions a sketch draws at once.
+SKETCH_CHUNK = 2**16
 
 
 def sketch(tensors: Sequence[torch.Tensor], seed: int, dims: int = SKETCH_DIMS) -> list[float]:
@@ -26,9 +28,12 @@ def sketch(tensors: Sequence[torch.Tensor], seed: int, dims: int = SKETCH_DIMS) 
     total = torch.zeros(dims, dtype=torch.float64)
     for tensor in tensors:
         flat = tensor.detach().reshape(-1).to(torch.float64)
-        # One tensor's directions at a time: never a dims x (all parameters) matrix.
-        directions = torch.randn(dims, flat.numel(), generator=gen, dtype=torch.float64)
-        total += directions @ flat
+        # A slice of directions at a time: memory stays dims x SKETCH_CHUNK, whatever the
+        # model's size (a 10M-float layer would need 2.5 GB at once).
+        for start in range(0, flat.numel(), SKETCH_CHUNK):
+            part = flat[start : start + SKETCH_CHUNK]
+            directions = torch.randn(dims, part.numel(), generator=gen, dtype=torch.float64)
+            total += directions @ part
     return [float(v) for v in total / math.sqrt(dims)]
 
 

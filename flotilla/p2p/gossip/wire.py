@@ -27,6 +27,7 @@ from hivemind.proto.averaging_pb2 import DownloadData
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from flotilla.core.errors import FlotillaError, Unreachable, WireError
+from flotilla.core.streams import paced
 from flotilla.p2p.gossip.peer import GossipPeer
 from flotilla.p2p.gossip.pushsum import GossipShare
 
@@ -68,17 +69,7 @@ async def read_share(
     that do not decode, or a sender silent for ``idle_s`` mid-stream."""
     limit = sum(4 * math.prod(s) + TENSOR_OVERHEAD_BYTES for s in shapes) + 2**16
 
-    async def following() -> AsyncIterator[DownloadData]:
-        while True:
-            try:
-                message = await asyncio.wait_for(anext(messages, None), idle_s)
-            except asyncio.TimeoutError:
-                raise WireError(f"a gossip share stalled for {idle_s:.0f} s") from None
-            if message is None:
-                return
-            yield message
-
-    stream = following()
+    stream = paced(messages, idle_s, "gossip share")
     first = await anext(stream, None)
     if first is None:
         raise WireError("an empty gossip stream")

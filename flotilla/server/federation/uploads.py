@@ -32,6 +32,7 @@ from flotilla.core.errors import (
 from flotilla.core.events import EventSink, Fanout, UpdateAccepted, UpdateRefused
 from flotilla.core.identity import digest_bytes, update_statement, verify_update
 from flotilla.core.records import DeviceRecord
+from flotilla.core.streams import paced
 from flotilla.core.tensors import ModelState, TensorSpec, check_finite, decode_state, read_metadata
 from flotilla.core.timeouts import Timeouts
 from flotilla.core.update import Update
@@ -423,17 +424,10 @@ class Uploads:
     async def _read(
         self, chunks: AsyncIterator[memoryview | bytes], assembler: BlobAssembler, device_id: str
     ) -> memoryview:
-        idle_s = self._idle_s
-        stream = aiter(chunks)
-        while True:
-            try:
-                data = await asyncio.wait_for(anext(stream, None), idle_s)
-            except asyncio.TimeoutError:
-                raise WireError(f"upload stalled: no data for {idle_s:.0f}s") from None
-            if data is None:
-                return assembler.finish()
+        async for data in paced(chunks, self._idle_s, "upload"):
             assembler.add(data)
             self._pool.touch(device_id)
+        return assembler.finish()
 
     async def report(
         self, device_id: str, ref: RoundRef, report: Reported, hold_s: float
