@@ -81,8 +81,8 @@ def _gossip(
         if share is not None:
             sends += [(peer, target, share) for target in out]
     for peer, target, share in sends:
-        if rng.random() >= drop:  # a dropped share is never given up
-            states[peer].given(share, states[target].take(share))
+        delivered = rng.random() >= drop  # a dropped share is taken back whole
+        states[peer].settle(share, states[target].take(share) if delivered else 0.0)
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
@@ -169,23 +169,46 @@ def test_a_share_claiming_a_huge_weight_pulls_a_peer_at_most_one_peers_weight() 
         assert torch.allclose(tensor, torch.full((4,), expected))
 
 
-def test_giving_up_a_share_is_exact_whatever_was_mixed_in_meanwhile() -> None:
-    """A peer shares, takes a neighbour's share, then learns its own was taken: the mass it
-    gives up is what it sent, not what it holds now."""
+def test_settling_a_share_is_exact_whatever_was_mixed_in_meanwhile() -> None:
+    """A peer shares (its weight set aside), takes a neighbour's share, then learns what of
+    its own was taken: what comes back is the mass it sent, not what it holds now."""
     mine, theirs = (
         torch.tensor([1.0, 2.0], dtype=torch.float64),
         torch.tensor([5.0, 7.0], dtype=torch.float64),
     )
     a, b = PushSum([mine]), PushSum([theirs])
     before = mine + theirs
-    sent = a.share(0)
-    assert sent is not None
+    sent = a.share(0, parts=2)  # two neighbours: a keeps a third until they answer
+    assert sent is not None and a.weight == pytest.approx(1 / 3)
     back = b.share(0)
     assert back is not None
-    b.given(back, a.take(back))  # a mixes b's share in before its own is delivered
-    a.given(sent, b.take(sent))
+    b.settle(back, a.take(back))  # a mixes b's share in before its own is answered
+    a.settle(sent, b.take(sent))
+    a.settle(sent, 0.0)  # the second neighbour never answered: its part comes back whole
     assert a.weight + b.weight == pytest.approx(2.0)
     assert torch.allclose(a.weight * mine + b.weight * theirs, before)
+
+
+def test_a_share_whose_answer_was_lost_is_taken_back_out_exactly() -> None:
+    """A receiver that mixed a share in but could not answer gives it back (its sender takes
+    the weight back too), even after it trained and mixed more meanwhile."""
+    mine = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    theirs = torch.tensor([5.0, 7.0], dtype=torch.float64)
+    a, b = PushSum([mine]), PushSum([theirs])
+    sent = b.share(0)
+    assert sent is not None
+    taken = a.take(sent)
+    mine.add_(0.25)  # a local step, in z: the mass moves by w * 0.25
+    a.take(GossipShare(1, 0.5, (torch.tensor([3.0, 3.0], dtype=torch.float64),)))
+    mass = a.weight * mine
+    assert a.untake(sent, taken)
+    b.settle(sent, 0.0)
+    assert a.weight + b.weight == pytest.approx(2.5)
+    assert torch.allclose(a.weight * mine, mass - taken * sent.tensors[0])
+    assert torch.allclose(theirs, torch.tensor([5.0, 7.0], dtype=torch.float64))
+    # Too light to give it back: refused, nothing changes.
+    light = PushSum([torch.zeros(2)], weight=0.5)
+    assert not light.untake(sent, 0.5) and light.weight == 0.5
 
 
 def test_a_peer_with_almost_no_weight_left_waits_to_receive_before_sharing_again() -> None:

@@ -201,3 +201,35 @@ def test_a_share_for_a_far_future_step_is_not_kept_once_its_hold_ends() -> None:
 
     assert asyncio.run(main()) == [0.0] * 20
     assert receiver.held == 0  # nothing pins their tensors
+
+
+@pytest.mark.timeout(30)
+def test_a_held_share_mixed_as_its_sender_hangs_up_is_held_once() -> None:
+    """The receiver reaches the step of a held share and mixes it just as the sender hangs
+    up. Either the answer still comes back (the sender keeps what it says was taken) or the
+    hang-up wins (the sender takes its weight back, and the receiver takes the share back
+    out): whichever, the network holds the share once."""
+    network = Network()
+    params = _swarm(network, "sync", wait_s=1.0)
+    receiver, sender = network.peers[PEERS[0]], network.peers[PEERS[1]]
+    mass = sum(params[p] * network.peers[p].state.weight for p in PEERS[:2])
+
+    async def main() -> None:
+        share = sender.state.share(0)
+        assert share is not None
+        held = asyncio.create_task(receiver.receive(PEERS[1], share, 1.0))
+        await asyncio.sleep(0.01)
+        assert receiver.held == 1
+        receiver._mix_early(0)  # the receiver reaches step 0: the share is mixed ...
+        held.cancel()  # ... and its sender hangs up
+        try:
+            taken = await held
+        except asyncio.CancelledError:
+            taken = 0.0  # no answer: the share was taken back out
+        sender.state.settle(share, taken)  # what the sender's send does with the answer
+
+    asyncio.run(main())
+    weights = {p: network.peers[p].state.weight for p in PEERS[:2]}
+    assert sum(weights.values()) == pytest.approx(2.0)
+    after = sum(params[p] * weights[p] for p in PEERS[:2])
+    assert torch.allclose(after, mass, atol=1e-12)

@@ -3,6 +3,7 @@ as separate processes, real hivemind peers on 127.0.0.1, the char LM on stdlib d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -47,7 +48,13 @@ def corpus_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Build the corpus once; every peer process reads it from this cache."""
     cache = tmp_path_factory.mktemp("cache")
     CharLMTask(cache).tokens()
-    return {**os.environ, "FLOTILLA_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
+    # PYTHONFAULTHANDLER: a peer that hangs is sent SIGABRT and prints every thread's stack.
+    return {
+        **os.environ,
+        "FLOTILLA_CACHE_DIR": str(cache),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+    }
 
 
 class Peers:
@@ -110,6 +117,20 @@ def _volunteer(peers: Peers, name: str, run: str, maddr: str, *extra: str) -> An
     return peers.start(
         name, "volunteer", "--run", run, "--task", TASK, "--initial-peers", maddr, *extra
     )
+
+
+def _stacks(peers: Peers, proc: subprocess.Popen[str], name: str) -> str:
+    """Why a peer did not stop: its signal masks, then every thread's stack (SIGABRT makes
+    the fault handler print them) at the end of its log."""
+    masks = [
+        line
+        for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+        if line.startswith(("SigBlk", "SigIgn", "SigCgt"))
+    ]
+    proc.send_signal(signal.SIGABRT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+    return "\n".join(masks) + "\n" + peers.log(name)[-12000:]
 
 
 def _report(volunteer: subprocess.Popen[str]) -> dict[str, Any]:
@@ -377,7 +398,7 @@ def test_ctrl_c_stops_peers_with_their_workers_and_a_healthy_run_logs_no_error(
     left_at = _peer_epochs(run, maddr)[stayer]
     _wait("an epoch without it", lambda: _peer_epochs(run, maddr)[stayer] > left_at, 120)
 
-    for proc, group in ((volunteer, True), (coordinator, False)):
+    for proc, group, name in ((volunteer, True, "v1"), (coordinator, False, "coordinator")):
         tree = psutil.Process(proc.pid).children(recursive=True)
         assert tree, "a peer runs its p2pd and hivemind workers as children"
         began = time.monotonic()
@@ -388,9 +409,7 @@ def test_ctrl_c_stops_peers_with_their_workers_and_a_healthy_run_logs_no_error(
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"SIGINT ignored:\n{peers.log('v1' if group else 'coordinator')[-3000:]}"
-            ) from None
+            raise AssertionError(f"SIGINT ignored:\n{_stacks(peers, proc, name)}") from None
         took = time.monotonic() - began
         _, alive = psutil.wait_procs(tree, timeout=5)
         assert not alive, f"left behind: {[p.name() for p in alive]}"

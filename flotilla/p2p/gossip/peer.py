@@ -1,16 +1,18 @@
 """One gossiping peer: a step's shares out, its neighbours' shares in, over any transport.
 
 A step sends this peer's share to its out-neighbours (the graph at that step over the
-current members) and gives up what each took, waiting for their answers at most ``wait_s``
-from the step's start. In ``sync`` mode it also waits, at most half of ``wait_s``, for the
-shares its in-neighbours send at the same step and mixes them then, so both sides of every
-edge mix the same step while links deliver; in ``async`` mode a share is mixed the moment it
-arrives, whatever step either side is at. A share for a step this peer has passed is mixed
-at once in both modes. One for a step it has not reached is held until it gets there, for
-as long as the share's sender said it can wait (``hold_s``, its own wait less a margin for
-the answer's way back); if that runs out it is answered "nothing taken", and the sender
-keeps its weight. A lost share costs its receiver at most half a wait, so a receiver that
-waited in vain still reaches its next step before that step's senders give up.
+current members), setting its weight aside, and waits for their answers at most ``wait_s``
+from the step's start; an answer that comes later is settled when it comes (the
+transport's own time limit bounds it), so a slow link costs no mass. In ``sync`` mode it
+also waits, at most half of ``wait_s``, for the shares its in-neighbours send at the same
+step and mixes them then, so both sides of every edge mix the same step while links
+deliver; in ``async`` mode a share is mixed the moment it arrives, whatever step either
+side is at. A share for a step this peer has passed is mixed at once in both modes. One
+for a step it has not reached is held until it gets there, for as long as the share's
+sender said it can wait (``hold_s``, its own wait less a margin for the answer's way
+back); if that runs out it is answered "nothing taken", and the sender takes its weight
+back. A lost share costs its receiver at most half a wait, so a receiver that waited in
+vain still reaches its next step before that step's senders give up.
 
 Nothing here knows the network: the transport sends a share and returns the weight taken,
 and calls :meth:`GossipPeer.receive` for each share that arrives (in-process in tests,
@@ -89,6 +91,13 @@ class GossipPeer:
         self._mixed_now: list[str] = []
         self._arrived = asyncio.Event()
         self._stepping = asyncio.Lock()
+        #: Sends whose answer has not come: their weight is set aside until it does.
+        self._sending: set[asyncio.Future[float]] = set()
+
+    @property
+    def unsettled(self) -> int:
+        """Shares sent whose answer has not come yet."""
+        return len(self._sending)
 
     @property
     def held(self) -> int:
@@ -119,10 +128,26 @@ class GossipPeer:
         except asyncio.TimeoutError:
             if answer.done():  # mixed just as the wait ran out
                 return answer.result()
-            return 0.0  # never mixed now: the sender keeps its weight
+            return 0.0  # never mixed now: the sender takes its weight back
+        except asyncio.CancelledError:  # the sender hung up: it will take its weight back
+            if answer.done() and not answer.cancelled():
+                self.untake(sender, share, answer.result())
+            raise
         finally:  # answered, timed out, or the sender hung up: never mix it later
             answer.cancel()
             self._forget(share.step, held)
+
+    def untake(self, sender: str, share: GossipShare, taken: float) -> None:
+        """Give back a share mixed in whose answer could not be sent (its sender will take
+        the weight back): else the network would hold it twice."""
+        if taken <= 0.0:
+            return
+        with self.lock:
+            undone = self.state.untake(share, taken)
+        log.debug(
+            "step %d: the answer to %s was lost; %s", share.step, sender,
+            "its share taken back out" if undone else "too light to take its share back out",
+        )  # fmt: skip
 
     def _forget(self, step: int, held: tuple[str, GossipShare, asyncio.Future[float]]) -> None:
         """Drop a share no longer held (a far-future step must not pin its tensors)."""
@@ -149,32 +174,37 @@ class GossipPeer:
         sends: dict[str, asyncio.Future[float]] = {}
         if share is not None:
             hold_s = self._wait_s * HOLD_FRACTION
-            sends = {
-                p: asyncio.ensure_future(self._transport.send(p, share, hold_s)) for p in targets
-            }
+            sends = {p: asyncio.ensure_future(self._send(p, share, hold_s)) for p in targets}
+            self._sending.update(sends.values())
+            for sent in sends.values():
+                sent.add_done_callback(self._sending.discard)
         self._step = step
         self._mixed_now = []
         self._mix_early(step)
         if self._mode == "sync":
             await self._await_neighbours(members, step, began + self._wait_s / 2)
-        taken_by = []
         if sends:  # a receiver answers within the hold it was given
             remaining = max(0.0, deadline - asyncio.get_running_loop().time())
             await asyncio.wait(sends.values(), timeout=remaining)
-        for peer, sent in sends.items():
-            if not sent.done():
-                sent.cancel()
-                continue
-            if sent.cancelled() or sent.exception() is not None:
-                log.debug("step %d: %s took nothing: %r", step, peer, sent.exception())
-                continue
-            taken = sent.result()
-            if share is not None and taken > 0:
-                with self.lock:
-                    self.state.given(share, min(taken, share.weight))
-                taken_by.append(peer)
+        taken_by = tuple(
+            p for p, sent in sends.items()
+            if sent.done() and not sent.cancelled() and sent.result() > 0
+        )  # fmt: skip
         mixed_from, self._mixed_now = tuple(self._mixed_now), []
-        return StepReport(step, tuple(sends), tuple(taken_by), mixed_from, self.state.weight)
+        return StepReport(step, tuple(sends), taken_by, mixed_from, self.state.weight)
+
+    async def _send(self, peer: str, share: GossipShare, hold_s: float) -> float:
+        """Send ``share`` to ``peer``; whatever happens, settle it: what was not taken (all
+        of it without an answer) is this peer's again."""
+        taken = 0.0
+        try:
+            taken = min(max(await self._transport.send(peer, share, hold_s), 0.0), share.weight)
+        except Exception as exc:  # unreachable, timed out, refused: nothing was taken
+            log.debug("step %d: %s took nothing: %r", share.step, peer, exc)
+        finally:  # also when cancelled (the peer closes): then nothing is known taken
+            with self.lock:
+                self.state.settle(share, taken)
+        return taken
 
     async def _await_neighbours(self, members: Sequence[str], step: int, deadline: float) -> None:
         """Until every in-neighbour's share of ``step`` is mixed, or the deadline: they
@@ -200,7 +230,10 @@ class GossipPeer:
         return taken
 
     def close(self) -> None:
-        """Answer every share still waiting "nothing taken": their senders keep them."""
+        """Answer every share still waiting "nothing taken": their senders take them back;
+        cancel this peer's sends still waiting for an answer (their weight comes back)."""
+        for sent in list(self._sending):
+            sent.cancel()
         for waiting in self._early.values():
             for _, _, answer in waiting:
                 with contextlib.suppress(asyncio.InvalidStateError):

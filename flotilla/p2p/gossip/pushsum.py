@@ -5,10 +5,13 @@ Push-sum (Kempe, Dobra and Gehrke, 2003) keeps a numerator ``s`` and a weight ``
 peer; a peer sends part of both, the receiver adds them, and every ``s / w`` converges to
 the average, on directed and time-varying graphs. Here the tensors hold ``z = s / w`` and
 only the weight moves: a :class:`GossipShare` carries the sender's ``z`` and a part of its
-weight; the receiver mixes ``z <- (w z + w' z') / (w + w')``; the sender gives up what the
-receiver took. The network's mass (the sum of ``w z``) and weight (the sum of ``w``) never
-change, so the network average stays exact when messages are lost: a share that did not
-arrive (no answer, a timeout, a refusal) is simply not given up.
+weight, which the sender sets aside as it sends; the receiver mixes
+``z <- (w z + w' z') / (w + w')`` and answers how much it took; the sender takes back what
+was not taken (all of it when no answer came: unreachable, timed out, refused). The
+network's mass (the sum of ``w z``) and weight (the sum of ``w``) never change, so the
+network average stays exact when messages are lost, and answers that come late are
+settled when they come. A receiver whose answer could not be sent takes its share back
+out (:meth:`PushSum.untake`); what stays inexact is an answer lost after it left.
 
 A receiver takes at most one peer's starting weight (1) of a share, or its own weight if
 that is more, and says how much it took: whatever weight a neighbour claims, it pulls a peer
@@ -50,37 +53,51 @@ class PushSum:
 
     def share(self, step: int, parts: int = 1) -> GossipShare | None:
         """A copy of the parameters and ``1 / (parts + 1)`` of the weight, for each of
-        ``parts`` neighbours; None while the weight is too small to share."""
+        ``parts`` neighbours, set aside until :meth:`settle` says what each took; None
+        while the weight is too small to share."""
         if self.weight < MIN_SHARE_WEIGHT:
             return None
         portion = self.weight / (parts + 1)
+        self.weight -= parts * portion  # z is unchanged: the mass left is (w - parts p) z
         return GossipShare(step, portion, tuple(t.detach().clone() for t in self.tensors))
 
-    def given(self, share: GossipShare, taken: float) -> None:
-        """A neighbour took ``taken`` of ``share``'s weight: that mass (``taken`` times the
-        parameters as sent, however they changed since) is no longer this peer's."""
-        if not 0.0 < taken <= share.weight:
-            return
+    def settle(self, share: GossipShare, taken: float) -> None:
+        """A neighbour took ``taken`` of ``share``'s weight (0: it did not answer); the rest,
+        with the parameters as sent, is this peer's again."""
+        back = share.weight - min(max(taken, 0.0), share.weight)
+        if back > 0.0:
+            self._add(share, back)
+
+    def untake(self, share: GossipShare, taken: float) -> bool:
+        """Give back ``taken`` of a share this peer mixed in, when its sender cannot have
+        learnt that it did (the answer could not be sent); False when too little weight is
+        left to give it back (then the network holds that share twice)."""
         left = self.weight - taken
+        if not 0.0 < taken < self.weight or left < MIN_SHARE_WEIGHT:
+            return False
         with torch.no_grad():
             for mine, sent in zip(self.tensors, share.tensors, strict=True):
-                # z <- (w z - taken z_sent) / (w - taken): exact whatever was mixed meanwhile.
+                # z <- (w z - taken z_sent) / (w - taken): exact whatever changed meanwhile.
                 mine.mul_(self.weight / left).sub_(sent.to(mine.dtype), alpha=taken / left)
         self.weight = left
+        return True
 
     def take(self, share: GossipShare) -> float:
         """Mix a neighbour's share in; the weight taken (at most 1, or this peer's own weight
-        if that is more). A share
-        of the wrong shapes, dtype or size, with non-finite values or a weight that is not
-        positive and finite is refused with WireError, and nothing changes."""
+        if that is more). A share of the wrong shapes, dtype or size, with non-finite values
+        or a weight that is not positive and finite is refused with WireError, and nothing
+        changes."""
         self.check(share)
         taken = min(share.weight, max(self.weight, 1.0))
-        total = self.weight + taken
+        self._add(share, taken)
+        return taken
+
+    def _add(self, share: GossipShare, weight: float) -> None:
+        total = self.weight + weight
         with torch.no_grad():
             for mine, theirs in zip(self.tensors, share.tensors, strict=True):
-                mine.mul_(self.weight / total).add_(theirs.to(mine.dtype), alpha=taken / total)
+                mine.mul_(self.weight / total).add_(theirs.to(mine.dtype), alpha=weight / total)
         self.weight = total
-        return taken
 
     def check(self, share: GossipShare) -> None:
         """WireError unless ``share`` could be mixed into these tensors."""

@@ -55,6 +55,11 @@ class GossipRunner:
         return self._state.weight
 
     @property
+    def unsettled(self) -> int:
+        """Shares sent whose answer has not come (their weight is set aside meanwhile)."""
+        return 0 if self._peer is None else self._peer.unsettled
+
+    @property
     def lock(self) -> threading.Lock:
         """Held by whoever changes the parameters: mixing here, the optimizer there."""
         assert self._peer is not None, "start() first"
@@ -69,8 +74,10 @@ class GossipRunner:
     async def _open(self) -> None:
         self._p2p = await self._dht.replicate_p2p()
         shapes = [t.shape for t in self._state.tensors]
+        # A send may outlast its step: an answer that comes after the step's wait is still
+        # settled, up to twice the wait (a link slow enough for more loses the share).
         transport = LibP2PTransport(
-            self._p2p, self._swarm, self._compression, shapes, send_s=self._wait_s
+            self._p2p, self._swarm, self._compression, shapes, send_s=2 * self._wait_s
         )
         self._peer = GossipPeer(
             self.me, self._state, self._graph, transport, self._members,
@@ -97,7 +104,9 @@ class GossipRunner:
         if self._peer is not None:
             self._peer.close()
         if self._p2p is not None:
-            await self._p2p.remove_protobuf_handler(handler_name(self._swarm), stream_input=True)
+            await self._p2p.remove_protobuf_handler(
+                handler_name(self._swarm), stream_input=True, stream_output=True
+            )
             await self._p2p.shutdown()  # a replica: its connection to the daemon, not the daemon
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in others:

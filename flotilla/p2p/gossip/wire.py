@@ -8,7 +8,7 @@ parts, each tensor serialized with the run's compression (flotilla's int8, fp16 
 and cut into chunks (a chunk with a dtype starts the next tensor). The answer is one
 ``DownloadData`` whose header is ``{"taken": float}``, with ``"error"`` when refused. A
 stream larger than the receiver's model allows is refused as it arrives; every refusal
-answers "nothing taken", so the sender keeps its weight.
+answers "nothing taken", so the sender takes its weight back.
 """
 
 from __future__ import annotations
@@ -167,20 +167,36 @@ class LibP2PTransport:
         return taken_of(reply)
 
     async def serve(self, peer: GossipPeer) -> None:
-        """Answer this run's shares with ``peer`` (until the P2P shuts down)."""
+        """Answer this run's shares with ``peer`` (until the P2P shuts down).
+
+        The handler yields its answer, so it learns whether hivemind could send it: it
+        resumes after the answer went out, and is closed at the ``yield`` when the stream
+        broke first (the sender hung up, the connection dropped); then the share it mixed
+        is taken back out, since its sender takes its weight back too."""
         shapes = self._shapes
 
         async def handle(
             messages: AsyncIterator[DownloadData], context: P2PContext
-        ) -> DownloadData:
+        ) -> AsyncIterator[DownloadData]:
             sender = context.remote_id.to_base58()
             try:
                 share, hold_s = await read_share(messages, shapes, self._send_s)
-                return answer(await peer.receive(sender, share, hold_s))
+                taken = await peer.receive(sender, share, hold_s)
             except FlotillaError as exc:
-                return answer(0.0, str(exc) or type(exc).__name__)
+                yield answer(0.0, str(exc) or type(exc).__name__)
+                return
             except Exception as exc:  # a bug here must not look like a silent peer
                 log.exception("a gossip share from %s failed", sender)
-                return answer(0.0, f"the receiver failed: {exc!r}")
+                yield answer(0.0, f"the receiver failed: {exc!r}")
+                return
+            sent = False
+            try:
+                yield answer(taken)
+                sent = True
+            finally:
+                if not sent:
+                    peer.untake(sender, share, taken)
 
-        await self._p2p.add_protobuf_handler(self._name, handle, DownloadData, stream_input=True)
+        await self._p2p.add_protobuf_handler(
+            self._name, handle, DownloadData, stream_input=True, stream_output=True
+        )
