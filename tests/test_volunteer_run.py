@@ -432,6 +432,49 @@ def test_ctrl_c_stops_peers_with_their_workers_and_a_healthy_run_logs_no_error(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_ctrl_c_stops_a_coordinator_whose_checkpoint_download_hangs_on_a_frozen_peer(
+    peers: Peers, tmp_path: Path
+) -> None:
+    """A coordinator downloads the run's state from a volunteer that froze (SIGSTOP: no
+    answer, no closed connection), which may take the record's ``load_state_timeout``.
+    Ctrl-C still stops it within 5 s, cleanly (status 0, not the hard stop's 130): its duties
+    run beside the main thread, which Python wakes for the signal's handler."""
+    maddr = _coordinate(peers, "frozen", tmp_path / "coord")
+    coordinator = peers.procs[0]
+    volunteer = _volunteer(peers, "v1", "frozen", maddr)
+    _wait("a checkpoint", lambda: "checkpoint of epoch" in peers.log("coordinator"), 180)
+
+    def download_hangs() -> bool:
+        log = peers.log("coordinator")[seen:]
+        return "Downloading parameters" in log.rsplit("Finished downloading", 1)[-1]
+
+    for _ in range(3):  # frozen right after a checkpoint, nothing may be due: thaw, retry
+        seen = len(peers.log("coordinator"))
+        os.killpg(volunteer.pid, signal.SIGSTOP)
+        try:
+            _wait("a download from the frozen peer", download_hangs, 15, every=0.2)
+            break
+        except AssertionError:
+            os.killpg(volunteer.pid, signal.SIGCONT)
+            time.sleep(2)
+    else:
+        raise AssertionError("the coordinator never downloaded from the frozen volunteer")
+    time.sleep(1)
+    assert download_hangs()
+    began = time.monotonic()
+    coordinator.send_signal(signal.SIGINT)
+    try:
+        coordinator.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        stacks = _stacks(peers, coordinator, "coordinator")
+        raise AssertionError(f"SIGINT ignored:\n{stacks}") from None
+    print(f"coordinator stopped {time.monotonic() - began:.1f} s after SIGINT")
+    assert coordinator.returncode == 0, peers.log("coordinator")[-3000:]
+    os.killpg(volunteer.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_verified_run_refuses_a_plain_hivemind_peer_at_once_naming_the_option(
     peers: Peers, tmp_path: Path
 ) -> None:

@@ -11,10 +11,19 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flotilla.core.errors import NotFoundError
+
+if TYPE_CHECKING:
+    from flotilla.core.lifetime import StopEvent
+    from flotilla.p2p import Coordinator, RunStatus
+
+#: How long the main thread sleeps between looks at its stop event while a coordinator
+#: serves: a signal that lands in another thread runs its handler when this one wakes.
+SIGNAL_POLL_S = 0.2
 
 
 def add_volunteer_parser(commands: Any) -> None:
@@ -180,10 +189,38 @@ def _coordinate(args: argparse.Namespace) -> int:
                     flush=True,
                 )
 
-        coordinator.serve(stop, show)
+        _serve_until_stopped(coordinator, stop, show)
     finally:
         coordinator.shutdown()
     return 0
+
+
+def _serve_until_stopped(
+    coordinator: Coordinator, stop: StopEvent, show: Callable[[RunStatus], None]
+) -> None:
+    """Serve on a thread of its own, so that the main thread only waits, in short slices.
+    Python runs a signal's handler in the main thread, and only when that thread wakes: one
+    blocked in a duty (a checkpoint's download waits up to the record's
+    ``load_state_timeout``) would leave Ctrl-C unanswered, and the hard stop unarmed, until
+    the duty ended. A duty still running when the stop comes gets a moment to end; then
+    the coordinator shuts down under it (it fails, and says so in a warning)."""
+    from flotilla.core.timeouts import Timeouts
+
+    failed: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            coordinator.serve(stop, show)
+        except BaseException as exc:  # raised again in the main thread, as if it served there
+            failed.append(exc)
+
+    serving = threading.Thread(target=serve, name="coordinator", daemon=True)
+    serving.start()
+    while serving.is_alive() and not stop.is_set():
+        stop.wait(SIGNAL_POLL_S)
+    serving.join(timeout=Timeouts().coordinator_stop_s)
+    if failed:
+        raise failed[0]
 
 
 def _runs(args: argparse.Namespace) -> int:

@@ -75,6 +75,9 @@ class Timeouts:
     #: After Ctrl-C, how long a peer may take leaving its swarm before it ends at once
     #: (hivemind may wait out a round's timeout; Ctrl-C stops within 5 s).
     swarm_leave_s: float = 3.0
+    #: After Ctrl-C, how long a coordinator lets its duty in progress (a checkpoint's
+    #: download, a DHT call) end before it shuts down under it (within ``swarm_leave_s``).
+    coordinator_stop_s: float = 0.5
     #: A simulation training worker must say hello within this.
     worker_start_s: float = 120.0
     #: A simulation worker's share of one round must come back within this.
