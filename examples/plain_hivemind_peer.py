@@ -53,6 +53,14 @@ def main() -> int:
         initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True
     )
     record = read_record(dht, args.run, wait_s=60.0)
+    if record["averaging"] == "gossip":
+        dht.shutdown()
+        print(
+            f"run {args.run} averages by gossip (flotilla's push-sum shares, docs/p2p-protocol.md"
+            "), which hivemind.Optimizer does not speak",
+            file=sys.stderr,
+        )
+        return 3
     if record["verified_averaging"]:
         dht.shutdown()
         print(

@@ -188,7 +188,10 @@ def test_three_runners_beside_training_threads_agree(
         settle_by = time.monotonic() + 30
         while any(r.unsettled for r in runners) and time.monotonic() < settle_by:
             time.sleep(0.05)
-        assert sum(r.weight for r in runners) == pytest.approx(3.0), caplog.text
+        # Exact, but for shares whose answer a stream lost (the sender counts them).
+        uncertain = sum(r.uncertain for r in runners)
+        assert abs(sum(r.weight for r in runners) - 3.0) <= uncertain + 1e-6, caplog.text
+        assert uncertain <= 0.05 * sent, caplog.text  # rare: a stream that died mid-answer
         spread = max(
             float((t - m).abs().max()) for ts in models for t, m in zip(ts, mean, strict=True)
         )

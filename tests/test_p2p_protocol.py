@@ -53,7 +53,16 @@ def test_the_signed_record_matches_its_schemas_and_verifies_as_the_page_says() -
 
 @pytest.mark.parametrize(
     "change",
-    [{"compression": "gzip"}, {"schema": 2}, {"shards": 0}, {"extra": 1}, {"run": "a b"}],
+    [
+        {"compression": "gzip"},
+        {"schema": 3},
+        {"shards": 0},
+        {"extra": 1},
+        {"run": "a b"},
+        {"averaging": "flood"},
+        {"gossip_topology": "star"},
+        {"gossip_wait": 0},
+    ],
 )
 def test_the_record_schema_refuses_what_flotilla_refuses(change: dict[str, Any]) -> None:
     body = {**dataclasses.asdict(record()), **change}

@@ -153,8 +153,10 @@ def test_records_of_unknown_fields_or_schema_are_refused() -> None:
     data = dataclasses.asdict(_record())
     with pytest.raises(RunRecordError, match="unknown fields"):
         RunRecord.from_dict({**data, "surprise": 1})
-    with pytest.raises(RunRecordError, match="schema 2"):
-        RunRecord.from_dict({**data, "schema": 2})
+    with pytest.raises(RunRecordError, match="schema 1"):  # before gossip runs
+        RunRecord.from_dict({**data, "schema": 1})
+    with pytest.raises(RunRecordError, match="schema 3"):
+        RunRecord.from_dict({**data, "schema": 3})
     with pytest.raises(ValueError, match="unbounded"):
         _record(averaging_timeout=0)
     with pytest.raises(ValueError, match="compression"):

@@ -516,3 +516,49 @@ def test_a_plain_hivemind_peer_averages_in_a_run_open_to_it_and_its_loss_falls(
     # swarm already near its plateau (a loaded machine starts it late), still falling.
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < LEARNED_LOSS and (last < first or last < LEARNED_LOSS - 0.3), losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_gossip_run_mixes_volunteers_and_a_late_one_joins_light(
+    peers: Peers, tmp_path: Path, mode: str
+) -> None:
+    """``coordinate --averaging gossip``: volunteers mix parameters with a neighbour every
+    epoch, with no group to form; one joining later joins light and takes its neighbours'
+    parameters at its first mix (its losses are a trained model's, not a fresh one's)."""
+    run = f"gossip-{mode}"
+    gossip = ("--averaging", "gossip", "--gossip-mode", mode, "--gossip-wait", "5")
+    maddr = _coordinate(peers, run, tmp_path / "coord", *gossip)
+    first = [_volunteer(peers, f"v{i}", run, maddr) for i in range(2)]
+    _wait(
+        "epoch 6 on both",
+        lambda: len(e := _peer_epochs(run, maddr)) == 2 and min(e.values()) >= 6,
+        180,
+        every=2.0,
+    )
+    late = _volunteer(peers, "late", run, maddr)
+    _wait("the late volunteer to join", lambda: "joined run " in peers.log("late"), 120)
+    late_id = _peer_id(peers, "late")
+    _wait("its metrics", lambda: late_id in _peer_epochs(run, maddr), 60)
+    time.sleep(10)  # a few epochs with it
+    status = _status(peers, run, maddr)
+    assert status["peers_online"] == 3 and status["epoch"] >= 6, status
+
+    reports = {}
+    for name, proc in (("late", late), ("v0", first[0]), ("v1", first[1])):
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=10) == 130, peers.log(name)[-3000:]
+        reports[name] = _report(proc)
+    joined = reports.pop("late")
+    assert joined["first_epoch"] >= 6 and joined["averaged_epochs"] >= 2, joined
+    assert min(joined["epoch_losses"].values()) < LEARNED_LOSS, joined  # not a fresh model
+    for report in reports.values():
+        epochs = report["last_epoch"] - report["first_epoch"]
+        # Most epochs mix with a neighbour (not the first ones, before the peers meet).
+        assert epochs >= 6 and report["averaged_epochs"] >= epochs / 2, report
+        losses = [report["epoch_losses"][k] for k in sorted(report["epoch_losses"], key=int)]
+        assert losses[-1] < losses[0] - 0.3, losses
+    for name in ("coordinator", "v0", "v1", "late"):
+        noisy = [line for line in peers.log(name).splitlines() if "ERROR" in line]
+        assert not noisy, f"{name}:\n{peers.log(name)[-3000:]}"

@@ -49,7 +49,24 @@ def add_volunteer_parser(commands: Any) -> None:
     coord.add_argument("--target-batch-size", type=int, default=1024)
     coord.add_argument("--batch-size", type=int, default=16, help="suggested per local step")
     coord.add_argument("--compression", choices=("none", "fp16", "int8"), default="none")
-    coord.add_argument("--averaging", choices=("gradients", "state"), default="gradients")
+    coord.add_argument(
+        "--averaging",
+        choices=("gradients", "state", "gossip"),
+        default="gradients",
+        help="gossip: each peer mixes parameters with a neighbour per epoch (no group)",
+    )
+    coord.add_argument(
+        "--gossip-topology", choices=("exponential", "ring", "random"), default="exponential"
+    )
+    coord.add_argument(
+        "--gossip-mode",
+        choices=("sync", "async"),
+        default="sync",
+        help="async: an epoch's shares travel while the next computes",
+    )
+    coord.add_argument(
+        "--gossip-wait", type=float, default=10.0, help="a gossip step's longest wait (s)"
+    )
     coord.add_argument("--learning-rate", type=float, default=3e-3)
     coord.add_argument("--matchmaking-time", type=float, default=5.0)
     coord.add_argument("--averaging-timeout", type=float, default=30.0)
@@ -154,6 +171,9 @@ def _coordinate(args: argparse.Namespace) -> int:
         "matchmaking_time": args.matchmaking_time,
         "averaging_timeout": args.averaging_timeout,
         "verified_averaging": not args.plain_averaging,
+        "gossip_topology": args.gossip_topology,
+        "gossip_mode": args.gossip_mode,
+        "gossip_wait": args.gossip_wait,
     }
     coordinator = Coordinator(
         CoordinatorOptions(

@@ -80,6 +80,11 @@ class Unreachable(FlotillaError):
     one retryable error (connection refused or reset, deadline passed, overloaded)."""
 
 
+class AnswerLost(Unreachable):
+    """A request went out whole but its answer never came (the stream ended first): whether
+    it took effect on the other side is unknown."""
+
+
 class RateLimited(Unreachable):
     """The caller went over its rate limit; others are unaffected. Retry after
     ``retry_after_s`` seconds (an HTTP 429 ``Retry-After``, a gRPC RESOURCE_EXHAUSTED)."""

@@ -26,6 +26,7 @@ from typing import Any
 from flotilla.core.files import write_atomic
 from flotilla.p2p.codecs import install_codecs
 from flotilla.p2p.dht import (
+    ONLINE_S,
     PeerMetrics,
     RunStatus,
     publish_record,
@@ -48,8 +49,6 @@ from flotilla.tasks.base import load_task
 log = logging.getLogger(__name__)
 #: Seconds between republishing the record (its DHT entry lives RECORD_TTL_S).
 REPUBLISH_S = 30.0
-#: A peer whose last metrics are older than this is no longer counted online.
-ONLINE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +102,9 @@ class Coordinator:
             identity_path=self._dir / "p2p-identity.key",
         )
         self._model = model  # the optimizer's main parameters: what peers share
-        self._opt = make_optimizer(self._dht, record, model, batch_size=1)
-        if self.checkpoint_epoch is not None:
+        if record.averaging != "gossip":  # a gossip run has no group state to take part in
+            self._opt = make_optimizer(self._dht, record, model, batch_size=1)
+        if self.checkpoint_epoch is not None and self._opt is not None:
             self._share_epoch(self.checkpoint_epoch)
         self.record, self._signed = record, sign_record(record, key)
         publish_record(self._dht, record.run, self._signed)
@@ -164,9 +164,9 @@ class Coordinator:
         self._merge(metrics)
         if self.record.verified_averaging:
             self._note_plain_peers()
-        progress = self._opt.tracker.global_progress
-        epoch = max([progress.epoch, *(m.epoch for m in metrics)], default=0)
-        if self._due_for_checkpoint(epoch):
+        progress = self._opt.tracker.global_progress if self._opt is not None else None
+        epoch = max([progress.epoch if progress else 0, *(m.epoch for m in metrics)], default=0)
+        if self._opt is not None and self._due_for_checkpoint(epoch):
             self._checkpoint()
         status = self._status(metrics, epoch, progress)
         publish_status(self._dht, status)
@@ -230,7 +230,7 @@ class Coordinator:
         return RunStatus(
             run=self.record.run,
             epoch=epoch,
-            peers_online=max(len(fresh), int(progress.num_peers)),
+            peers_online=max(len(fresh), int(progress.num_peers) if progress else 0),
             samples_per_second=float(sum(m.samples_per_second for m in fresh)),
             loss=current,
             loss_history=[[e, means[e]] for e in sorted(means) if e < epoch],

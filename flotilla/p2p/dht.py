@@ -38,6 +38,8 @@ from flotilla.p2p.record import RunRecord, SignedRecord, verify_record
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 RECORD_TTL_S = 120.0
 METRICS_TTL_S = 60.0
+#: A peer whose last metrics are older than this is no longer counted online.
+ONLINE_S = 10.0
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)

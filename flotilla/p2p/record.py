@@ -24,7 +24,11 @@ from flotilla.core.errors import RunRecordError, SpecError
 from flotilla.p2p.codecs import COMPRESSION_NAMES
 
 #: Bumped when a field changes meaning; a volunteer refuses records of another schema.
-SCHEMA_VERSION = 1
+#: 2: ``averaging = "gossip"`` and the ``gossip_*`` fields.
+SCHEMA_VERSION = 2
+#: How gossip peers pick their neighbours (flotilla.p2p.gossip.graph) and mix.
+GOSSIP_TOPOLOGIES = ("exponential", "ring", "random")
+GOSSIP_MODES = ("sync", "async")
 #: Appended to a verified run's name for hivemind's keys (:func:`swarm_name`).
 VERIFIED_SWARM = "_flotilla_v1_verified"
 
@@ -56,8 +60,9 @@ class RunRecord:
     learning_rate: float = 3e-3
     #: What averaging rounds send: ``none``, ``fp16`` or ``int8``.
     compression: str = "none"
-    #: ``gradients`` (hivemind's gradient averaging, one global step per epoch) or
-    #: ``state`` (local steps, parameters averaged every epoch).
+    #: ``gradients`` (hivemind's gradient averaging, one global step per epoch),
+    #: ``state`` (local steps, parameters averaged every epoch) or ``gossip`` (local steps,
+    #: parameters mixed with a neighbour per epoch by push-sum: no group, no barrier).
     averaging: str = "gradients"
     #: Whole-or-nothing rounds (flotilla.p2p.averaging). Plain-hivemind peers cannot take
     #: part in the verdict round, so a run meant for them sets this false; in a verified
@@ -70,6 +75,12 @@ class RunRecord:
     load_state_timeout: float = 60.0
     #: Shards the corpus is cut into; a volunteer trains on the one its peer id picks.
     shards: int = 64
+    #: Gossip runs: the graph (``exponential``, ``ring``, ``random``), the mixing
+    #: (``sync``: both sides of an edge mix the same epoch; ``async``: on arrival, with the
+    #: epoch's shares travelling while the next computes), and a gossip step's longest wait.
+    gossip_topology: str = "exponential"
+    gossip_mode: str = "sync"
+    gossip_wait: float = 10.0
     schema: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -79,8 +90,14 @@ class RunRecord:
             raise SpecError(f"compression {self.compression!r} is not one of {COMPRESSION_NAMES}")
         if self.optimizer not in ("adam", "sgd"):
             raise SpecError(f"optimizer {self.optimizer!r} is not adam or sgd")
-        if self.averaging not in ("gradients", "state"):
-            raise SpecError(f"averaging {self.averaging!r} is not gradients or state")
+        if self.averaging not in ("gradients", "state", "gossip"):
+            raise SpecError(f"averaging {self.averaging!r} is not gradients, state or gossip")
+        if self.gossip_topology not in GOSSIP_TOPOLOGIES:
+            raise SpecError(
+                f"gossip_topology {self.gossip_topology!r} is not one of {GOSSIP_TOPOLOGIES}"
+            )
+        if self.gossip_mode not in GOSSIP_MODES:
+            raise SpecError(f"gossip_mode {self.gossip_mode!r} is not one of {GOSSIP_MODES}")
         if self.target_batch_size < 1 or self.batch_size < 1 or self.shards < 1:
             raise SpecError("target_batch_size, batch_size and shards must be >= 1")
         timeouts = (
@@ -89,6 +106,7 @@ class RunRecord:
             self.allreduce_timeout,
             self.next_chunk_timeout,
             self.load_state_timeout,
+            self.gossip_wait,
         )
         if not all(t > 0 for t in timeouts):
             raise SpecError("every averaging timeout must be > 0 (unbounded waits are refused)")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from flotilla.p2p.averaging import (
     SafeStateAverager,
 )
 from flotilla.p2p.codecs import hivemind_compression
+from flotilla.p2p.gossip_optimizer import GossipOptimizer, local_optimizer
 from flotilla.p2p.noise import quiet_hivemind
 from flotilla.p2p.record import RunRecord
 from flotilla.p2p.tracker import TidyProgressTracker
@@ -54,6 +54,11 @@ class CountingOptimizer(hivemind.Optimizer):  # type: ignore[misc]
     averaged_epochs = 0
     #: The state averager's class: hivemind's own, or whole-or-nothing.
     state_averager_type: type[Any] = PlainStateAverager
+
+    def computing(self) -> contextlib.nullcontext[None]:
+        """What a forward and backward pass hold: nothing here (group rounds change the
+        parameters inside ``step``); a gossip run's optimizer holds its mixing off."""
+        return contextlib.nullcontext()
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
@@ -123,16 +128,14 @@ def make_optimizer(
     batch_size: int | None,
     auxiliary: bool = False,
     shutdown_s: float | None = None,
-) -> CountingOptimizer:
-    """The run's hivemind optimizer; ``shutdown_s`` defaults to
+) -> CountingOptimizer | GossipOptimizer:
+    """The run's optimizer: hivemind's, or a gossip run's; ``shutdown_s`` defaults to
     ``Timeouts.swarm_shutdown_s``."""
     quiet_hivemind()  # before hivemind forks the averagers, which inherit it
+    if record.averaging == "gossip":
+        return GossipOptimizer(dht, record, model, batch_size=batch_size or record.batch_size)
     compression = hivemind_compression(record.compression)
-    factory: Any
-    if record.optimizer == "adam":
-        factory = partial(torch.optim.Adam, lr=record.learning_rate)
-    else:
-        factory = partial(torch.optim.SGD, lr=record.learning_rate, momentum=0.9)
+    factory = local_optimizer(record)
     gradients = record.averaging == "gradients"
     verified = record.verified_averaging
     optimizer_class = VerifiedOptimizer if verified else CountingOptimizer

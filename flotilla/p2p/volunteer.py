@@ -184,8 +184,9 @@ def _train(
             break
         epoch = opt.local_epoch
         x, y = next(batches)
-        loss = task.loss(model, x, y)
-        loss.backward()
+        with opt.computing():  # a gossip run mixes the parameters in place meanwhile
+            loss = task.loss(model, x, y)
+            loss.backward()
         if not _step(opt, stop):
             break
         opt.zero_grad()

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from flotilla.core.errors import FlotillaError, UpdateRejected
+from flotilla.core.errors import AnswerLost, FlotillaError, UpdateRejected
 from flotilla.p2p.gossip.graph import Graph
 from flotilla.p2p.gossip.pushsum import GossipShare, PushSum
 
@@ -75,7 +75,10 @@ class GossipPeer:
         *,
         mode: str = "sync",
         wait_s: float,
+        first_step: int = 0,
     ) -> None:
+        """``first_step``: the step this peer gossips first (a peer joining a run in
+        progress starts at the run's); shares of earlier steps are mixed on arrival."""
         if mode not in MODES:
             raise ValueError(f"gossip mode is one of {', '.join(MODES)}, not {mode!r}")
         self.me, self.state, self.graph = me, state, graph
@@ -83,7 +86,10 @@ class GossipPeer:
         self._mode, self._wait_s = mode, wait_s
         #: Held while the tensors change: a mix here, an optimizer step in the training thread.
         self.lock = threading.Lock()
-        self._step = -1
+        self._step = first_step - 1
+        #: Set while a peer joining a run in progress waits for its first mix: it mixes
+        #: every share on arrival, whatever its step (it has no step of its own yet).
+        self.catching_up = False
         #: Shares waiting for a step this peer has not mixed yet: step -> (sender, share,
         #: the answer its sender waits for).
         self._early: dict[int, list[tuple[str, GossipShare, asyncio.Future[float]]]] = {}
@@ -93,6 +99,10 @@ class GossipPeer:
         self._stepping = asyncio.Lock()
         #: Sends whose answer has not come: their weight is set aside until it does.
         self._sending: set[asyncio.Future[float]] = set()
+        #: Weight of shares whose answer was lost after they arrived (the stream ended
+        #: first): taken back here, and maybe mixed there. The one way the network's weight
+        #: (and average) can drift; counted so that it can be told.
+        self.uncertain = 0.0
 
     @property
     def unsettled(self) -> int:
@@ -117,7 +127,7 @@ class GossipPeer:
                 self._refused.add(sender)
                 log.warning("refused a gossip share from %s: %s", sender, exc)
             raise
-        if self._mode == "async" or share.step <= self._step:
+        if self._mode == "async" or share.step <= self._step or self.catching_up:
             return self._take(sender, share)
         answer: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         held = (sender, share, answer)
@@ -179,7 +189,8 @@ class GossipPeer:
             for sent in sends.values():
                 sent.add_done_callback(self._sending.discard)
         self._step = step
-        self._mixed_now = []
+        if self._mode == "sync":  # async counts what arrived since its last step's end
+            self._mixed_now = []
         self._mix_early(step)
         if self._mode == "sync":
             await self._await_neighbours(members, step, began + self._wait_s / 2)
@@ -199,6 +210,11 @@ class GossipPeer:
         taken = 0.0
         try:
             taken = min(max(await self._transport.send(peer, share, hold_s), 0.0), share.weight)
+        except AnswerLost as exc:
+            self.uncertain += share.weight
+            log.info(
+                "step %d: %r (its weight, %.3g, comes back here)", share.step, exc, share.weight
+            )
         except Exception as exc:  # unreachable, timed out, refused: nothing was taken
             log.debug("step %d: %s took nothing: %r", share.step, peer, exc)
         finally:  # also when cancelled (the peer closes): then nothing is known taken

@@ -11,6 +11,8 @@ optimizer changes the parameters, since mixing changes them in place.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -23,6 +25,8 @@ from flotilla.p2p.gossip.graph import Graph
 from flotilla.p2p.gossip.peer import GossipPeer, StepReport
 from flotilla.p2p.gossip.pushsum import PushSum
 from flotilla.p2p.gossip.wire import LibP2PTransport, handler_name
+
+log = logging.getLogger(__name__)
 
 
 class GossipRunner:
@@ -37,11 +41,18 @@ class GossipRunner:
         compression: CompressionBase,
         mode: str,
         wait_s: float,
+        weight: float = 1.0,
+        first_step: int = 0,
     ) -> None:
+        """``weight``: the push-sum weight to start with (1; less for a peer joining a run
+        in progress, whose parameters should count for little until it has mixed), and
+        ``first_step`` the step it gossips first (the run's, for such a peer)."""
         self._dht, self._swarm, self._members = dht, swarm, members
-        self._state = PushSum(tensors)
+        self._state = PushSum(tensors, weight)
         self._graph, self._compression, self._mode, self._wait_s = graph, compression, mode, wait_s
+        self._first_step = first_step
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(_quiet_shutdown)
         self._thread = threading.Thread(target=self._loop.run_forever, name="gossip", daemon=True)
         self._peer: GossipPeer | None = None
         self._p2p: Any = None
@@ -53,6 +64,16 @@ class GossipRunner:
     @property
     def weight(self) -> float:
         return self._state.weight
+
+    def catch_up(self, on: bool) -> None:
+        """While on, mix every share on arrival (a peer joining a run in progress)."""
+        assert self._peer is not None, "start() first"
+        self._peer.catching_up = on
+
+    @property
+    def uncertain(self) -> float:
+        """Weight of shares whose answer was lost on the way (:attr:`GossipPeer.uncertain`)."""
+        return 0.0 if self._peer is None else self._peer.uncertain
 
     @property
     def unsettled(self) -> int:
@@ -81,7 +102,7 @@ class GossipRunner:
         )
         self._peer = GossipPeer(
             self.me, self._state, self._graph, transport, self._members,
-            mode=self._mode, wait_s=self._wait_s,
+            mode=self._mode, wait_s=self._wait_s, first_step=self._first_step,
         )  # fmt: skip
         await transport.serve(self._peer)
 
@@ -91,24 +112,41 @@ class GossipRunner:
         return asyncio.run_coroutine_threadsafe(self._peer.gossip(step), self._loop)
 
     def close(self, close_s: float) -> None:
-        """Answer held shares "nothing taken", stop serving and end the thread."""
+        """Answer held shares "nothing taken", stop serving and end the thread, within
+        about ``close_s`` (what is still running then is left to end with the process)."""
         if self._thread.is_alive():
-            done = asyncio.run_coroutine_threadsafe(self._close(), self._loop)
+            done = asyncio.run_coroutine_threadsafe(self._close(close_s / 2), self._loop)
             try:
                 done.result(timeout=close_s)
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                log.warning("gossip did not stop within %.1f s; leaving it to the exit", close_s)
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(timeout=close_s)
 
-    async def _close(self) -> None:
+    async def _close(self, settle_s: float) -> None:
+        """Stop serving, answer what is held, let streams in flight end (they are
+        hivemind's: cancelling them logs errors), then drop the daemon connection."""
         if self._peer is not None:
             self._peer.close()
         if self._p2p is not None:
             await self._p2p.remove_protobuf_handler(
                 handler_name(self._swarm), stream_input=True, stream_output=True
             )
-            await self._p2p.shutdown()  # a replica: its connection to the daemon, not the daemon
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in others:
-            task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
+        if others:
+            await asyncio.wait(others, timeout=settle_s)
+        if self._p2p is not None:
+            await self._p2p.shutdown()  # a replica: its connection to the daemon, not the daemon
+
+
+def _quiet_shutdown(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The gossip loop's exception handler: a stream cut short by this peer's own shutdown
+    (a cancelled task, one left pending at exit) is routine, said at DEBUG; anything else is
+    a WARNING, with what asyncio says of it."""
+    error = context.get("exception")
+    message = str(context.get("message", ""))
+    if isinstance(error, asyncio.CancelledError) or message.startswith("Task was destroyed"):
+        log.debug("gossip loop at shutdown: %s", message)
+        return
+    log.warning("gossip loop: %s (%r)", message, error)

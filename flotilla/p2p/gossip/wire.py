@@ -26,7 +26,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto.averaging_pb2 import DownloadData
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from flotilla.core.errors import FlotillaError, Unreachable, WireError
+from flotilla.core.errors import AnswerLost, FlotillaError, Unreachable, WireError
 from flotilla.core.streams import paced
 from flotilla.p2p.gossip.peer import GossipPeer
 from flotilla.p2p.gossip.pushsum import GossipShare
@@ -162,6 +162,8 @@ class LibP2PTransport:
             reply = await asyncio.wait_for(call, self._send_s)
         except FlotillaError:
             raise
+        except ValueError as exc:  # hivemind's asingle(): the stream ended with no answer
+            raise AnswerLost(f"{peer} did not answer a gossip share: {exc}") from None
         except Exception as exc:  # timeouts, resets, a peer that left: not delivered
             raise Unreachable(f"{peer} did not take a gossip share: {exc!r}") from None
         return taken_of(reply)
@@ -189,13 +191,23 @@ class LibP2PTransport:
                 log.exception("a gossip share from %s failed", sender)
                 yield answer(0.0, f"the receiver failed: {exc!r}")
                 return
-            sent = False
+            # Written or not within the hold: a sender that waited longer has taken its
+            # weight back, so the share comes back out here (once, whichever comes first).
+            sent = undone = False
+
+            def give_back() -> None:
+                nonlocal undone
+                if not (sent or undone):
+                    undone = True
+                    peer.untake(sender, share, taken)
+
+            watchdog = asyncio.get_running_loop().call_later(max(hold_s, 1.0), give_back)
             try:
                 yield answer(taken)
-                sent = True
+                sent = not undone
             finally:
-                if not sent:
-                    peer.untake(sender, share, taken)
+                watchdog.cancel()
+                give_back()
 
         await self._p2p.add_protobuf_handler(
             self._name, handle, DownloadData, stream_input=True, stream_output=True

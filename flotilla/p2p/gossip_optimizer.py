@@ -1,0 +1,216 @@
+"""A volunteer's optimizer in a gossip run (``averaging = "gossip"``): local torch steps,
+and after every epoch's share of samples one push-sum step with a neighbour
+(:mod:`flotilla.p2p.gossip`), instead of hivemind's group rounds.
+
+It shows the volunteer's loop the face of the run's hivemind optimizer (``step``,
+``zero_grad``, ``local_epoch``, ``averaged_epochs``, ``leave``...), so one loop trains
+both. An epoch is ``target_batch_size`` samples over the swarm, as in group runs: each
+peer gossips after ``target_batch_size / members`` of its own. ``sync`` waits for the
+epoch's mixing before the next local step; ``async`` is delayed averaging: the epoch's
+shares travel while the next epoch computes, and are collected one epoch later (staleness
+one epoch). The optimizer's own state (Adam's moments) stays local; mixing changes the
+parameters only.
+
+Neighbours are the peers that published metrics for the run in the last
+:data:`~flotilla.p2p.dht.ONLINE_S` seconds, read from the DHT at most every
+:data:`MEMBERS_EVERY_S`. A peer joining a run that has made progress joins light (push-sum
+weight :data:`JOIN_WEIGHT`): its first mix all but replaces its fresh parameters with its
+neighbour's, and its own shares barely move anyone until it has caught up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from functools import partial
+from typing import Any
+
+import hivemind
+import torch
+
+from flotilla.core.timeouts import Timeouts
+from flotilla.p2p.codecs import hivemind_compression
+from flotilla.p2p.dht import ONLINE_S, PeerMetrics, publish_metrics, read_metrics
+from flotilla.p2p.gossip import Graph
+from flotilla.p2p.gossip.peer import StepReport
+from flotilla.p2p.gossip.runner import GossipRunner
+from flotilla.p2p.record import RunRecord
+
+log = logging.getLogger(__name__)
+
+#: Seconds between reads of the run's membership from the DHT.
+MEMBERS_EVERY_S = 2.0
+#: The push-sum weight of a peer joining a run in progress (a fresh peer weighs 1).
+JOIN_WEIGHT = 1e-3
+#: How often a joining peer looks whether a neighbour's share has arrived.
+JOIN_POLL_S = 0.1
+
+
+def local_optimizer(record: RunRecord) -> Any:
+    """The record's torch optimizer, as a factory of parameters."""
+    if record.optimizer == "adam":
+        return partial(torch.optim.Adam, lr=record.learning_rate)
+    return partial(torch.optim.SGD, lr=record.learning_rate, momentum=0.9)
+
+
+class Membership:
+    """The run's current members (base58 peer ids, this peer among them), as the gossip
+    graph wants them: a cached tuple, read from the peers' metrics in the DHT."""
+
+    def __init__(self, dht: hivemind.DHT, run: str) -> None:
+        self._dht, self._run, self.me = dht, run, str(dht.peer_id)
+        self._members: tuple[str, ...] = (self.me,)
+        self._read_at = -math.inf
+        #: The highest epoch another member reported at the last read.
+        self.epoch = 0
+
+    def __call__(self) -> tuple[str, ...]:
+        return self._members
+
+    def refresh(self, force: bool = False) -> None:
+        """Read the members again (the training thread's call: it blocks on the DHT)."""
+        if not force and time.monotonic() - self._read_at < MEMBERS_EVERY_S:
+            return
+        self._read_at = time.monotonic()
+        try:
+            metrics = read_metrics(self._dht, self._run)
+        except Exception as exc:  # a DHT hiccup: keep the members we had
+            log.warning("could not read the run's members: %s", exc)
+            return
+        now = time.time()
+        fresh = [m for m in metrics if now - m.time <= ONLINE_S and not m.auxiliary]
+        members = tuple(sorted({self.me, *(m.peer for m in fresh)}))
+        if members != self._members:
+            log.info("gossip members: %d (%s)", len(members), ", ".join(p[-6:] for p in members))
+        self._members = members
+        self.epoch = max((m.epoch for m in fresh if m.peer != self.me), default=0)
+
+
+class GossipOptimizer:
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        record: RunRecord,
+        model: torch.nn.Module,
+        *,
+        batch_size: int,
+    ) -> None:
+        self._record, self._batch_size = record, batch_size
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._opt = local_optimizer(record)(params)
+        self._dht = dht
+        self.members = Membership(dht, record.run)
+        self.members.refresh(force=True)
+        self._joining = self.members.epoch > 0
+        #: The gossip step this peer is at: every member counts the same epochs.
+        self.local_epoch = self.members.epoch
+        self.averaged_epochs = 0
+        self._samples = 0
+        self._pending: Future[StepReport] | None = None
+        self._runner = GossipRunner(
+            dht, record.swarm, [p.detach() for p in params], self.members,
+            graph=Graph(record.gossip_topology, seed=record.seed),
+            compression=hivemind_compression(record.compression),
+            mode=record.gossip_mode, wait_s=record.gossip_wait,
+            weight=JOIN_WEIGHT if self._joining else 1.0, first_step=self.local_epoch,
+        )  # fmt: skip
+        self._runner.start(start_s=Timeouts().dht_start_s)
+        self._closed = threading.Event()
+        self._announce()
+
+    def _announce(self, leaving: bool = False) -> None:
+        """Metrics with no steps yet: the other members count this peer as a neighbour
+        from their next read, before its first step has published any. Leaving, metrics
+        stamped at time 0, which no member counts as fresh: they stop sending to it."""
+        hello = PeerMetrics(
+            peer=self.members.me, epoch=self.local_epoch, steps=0, samples=0,
+            samples_per_second=0.0, loss=None, time=0.0 if leaving else time.time(),
+        )  # fmt: skip
+        try:
+            publish_metrics(self._dht, self._record.run, hello)
+        except Exception as exc:  # the others notice when its metrics grow old
+            log.warning(
+                "could not tell the run this peer %s: %s", "leaves" if leaving else "joins", exc
+            )
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Hold while a forward and backward pass read the parameters: mixing changes them
+        in place, and waits for this."""
+        with self._runner.lock:
+            yield
+
+    def load_state_from_peers(self) -> None:
+        """Nothing to download: a peer joining a run in progress joins light and waits for
+        its first mix, which brings it its neighbours' parameters (at most two gossip
+        waits and two membership reads: then it trains from its own)."""
+        if not self._joining:
+            return
+        deadline = time.monotonic() + 2 * (self._record.gossip_wait + MEMBERS_EVERY_S)
+        self._runner.catch_up(True)
+        try:
+            while self._runner.weight <= 2 * JOIN_WEIGHT and time.monotonic() < deadline:
+                time.sleep(JOIN_POLL_S)
+        finally:
+            self._runner.catch_up(False)
+        if self._runner.weight > 2 * JOIN_WEIGHT:
+            log.info("took its neighbours' parameters at epoch %d", self.local_epoch)
+        else:
+            log.warning(
+                "no neighbour mixed with this peer within %.0f s of joining: it trains from "
+                "its own parameters until one does",
+                2 * (self._record.gossip_wait + MEMBERS_EVERY_S),
+            )
+
+    def zero_grad(self) -> None:
+        self._opt.zero_grad()
+
+    def step(self) -> None:
+        """A local step; after this peer's share of an epoch's samples, a gossip step."""
+        with self._runner.lock:
+            self._opt.step()
+        self._samples += self._batch_size
+        members = len(self.members())
+        if self._samples >= math.ceil(self._record.target_batch_size / members):
+            self._samples = 0
+            self._gossip()
+
+    def _gossip(self) -> None:
+        self.members.refresh()
+        if self.members.epoch > self.local_epoch + 1:  # fell behind: sync pairs by epoch
+            self.local_epoch = self.members.epoch
+        started = self._runner.step(self.local_epoch)
+        self.local_epoch += 1
+        due: Future[StepReport] | None = started
+        if self._record.gossip_mode == "async":  # delayed: collect the last epoch's now
+            due, self._pending = self._pending, started
+        if due is not None:
+            self._collect(due)
+
+    def _collect(self, future: Future[StepReport]) -> None:
+        """Wait for a gossip step (it ends within the record's wait) and count it."""
+        try:
+            report = future.result(timeout=self._record.gossip_wait * 2)
+        except Exception as exc:  # a step that failed mixed nothing: train on
+            log.warning("a gossip step failed: %r", exc)
+            return
+        if report.taken_by or report.mixed_from:
+            self.averaged_epochs += 1
+
+    def cancel_rounds(self) -> None:
+        """Nothing to cancel: a gossip step waits at most the record's ``gossip_wait``."""
+
+    def leave(self) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Say goodbye (the others stop sending to this peer at their next read), stop."""
+        if not self._closed.is_set():
+            self._closed.set()
+            self._announce(leaving=True)
+            self._runner.close(close_s=Timeouts().swarm_leave_s / 2)
