@@ -305,3 +305,24 @@ def test_training_peers_names_each_hivemind_optimizer_reporting_progress(
     writer.store(progress_key("open"), {"epoch": 1}, expires, subkey="no-id")  # type: ignore[attr-defined]
     assert training_peers(reader, "open") == {peer.to_base58()}  # type: ignore[arg-type]
     assert training_peers(reader, "nobody") == set()  # type: ignore[arg-type]
+
+
+def test_metrics_carry_a_gossip_sketch_of_numbers_and_no_more_than_the_limit() -> None:
+    from flotilla.p2p.dht import MAX_SKETCH, PeerMetrics
+
+    base = {"peer": "p", "epoch": 1, "steps": 2, "samples": 3, "samples_per_second": 1.0,
+            "loss": 2.5}  # fmt: skip
+    assert PeerMetrics(**base, sketch=[0.5] * 32).sketch == [0.5] * 32
+    assert PeerMetrics(**base).sketch is None  # group runs send none
+    for bad in ([0.5] * (MAX_SKETCH + 1), ["0.5"], [True], "0.5"):
+        with pytest.raises(TypeError):
+            PeerMetrics(**base, sketch=bad)  # type: ignore[arg-type]
+
+
+def test_a_gossip_run_refuses_an_auxiliary_peer_before_it_starts_anything() -> None:
+    from flotilla.core.errors import SpecError
+    from flotilla.p2p.swarm import make_optimizer
+
+    record = _record(averaging="gossip")
+    with pytest.raises(SpecError, match="no averaging rounds to assist"):
+        make_optimizer(None, record, torch.nn.Linear(2, 1), batch_size=None, auxiliary=True)  # type: ignore[arg-type]

@@ -544,6 +544,12 @@ def test_a_gossip_run_mixes_volunteers_and_a_late_one_joins_light(
     time.sleep(10)  # a few epochs with it
     status = _status(peers, run, maddr)
     assert status["peers_online"] == 3 and status["epoch"] >= 6, status
+    # The peers' sketches say how far apart they are (how close mixing keeps them is
+    # measured by benchmarks/p2p_gossip.py; the estimate's accuracy by test_gossip.py).
+    assert status["averaging"] == "gossip", status
+    print(f"{mode}: consensus distance {status['consensus_distance']}")
+    distance = status["consensus_distance"]
+    assert distance is not None and 0.0 < distance < math.inf, status
 
     reports = {}
     for name, proc in (("late", late), ("v0", first[0]), ("v1", first[1])):

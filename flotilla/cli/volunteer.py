@@ -114,7 +114,7 @@ def _join(args: argparse.Namespace) -> int:
     if missing:
         print(f"error: flotilla volunteer needs {', '.join(missing)}", file=sys.stderr)
         return 2
-    from flotilla.core.lifetime import exit_now, stop_on_signals
+    from flotilla.core.lifetime import exit_now, quiet_teardown, stop_on_signals
     from flotilla.p2p import VolunteerOptions, run_volunteer
 
     options = VolunteerOptions(
@@ -150,6 +150,7 @@ def _join(args: argparse.Namespace) -> int:
         )
 
     stop = stop_on_signals(options.timeouts.swarm_leave_s)
+    stop.on_stop(quiet_teardown)
     run_volunteer(options, stop, ready, on_trained=trained)
     if stop.is_set():  # Ctrl-C: peers were told, averagers stopped; hivemind's waits are not
         exit_now(130)
@@ -157,7 +158,7 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _coordinate(args: argparse.Namespace) -> int:
-    from flotilla.core.lifetime import end_with_parent, stop_on_signals
+    from flotilla.core.lifetime import end_with_parent, quiet_teardown, stop_on_signals
     from flotilla.core.timeouts import Timeouts
     from flotilla.p2p import Coordinator, CoordinatorOptions
 
@@ -189,6 +190,7 @@ def _coordinate(args: argparse.Namespace) -> int:
     if args.stop_with_parent:
         end_with_parent()
     stop = stop_on_signals(Timeouts().swarm_leave_s)
+    stop.on_stop(quiet_teardown)
     try:
         for maddr in coordinator.start():
             print(maddr, flush=True)
@@ -301,6 +303,8 @@ def _status(args: argparse.Namespace) -> int:
             f"{status.samples_per_second:.1f} samples/s, loss {loss}, "
             f"checkpoint {status.checkpoint_epoch}"
         )
+        if status.consensus_distance is not None:
+            print(f"  {status.averaging}: consensus distance {status.consensus_distance:.4g}")
         for epoch, value in status.loss_history:
             print(f"  epoch {int(epoch)}: loss {value:.4f}")
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -26,6 +27,8 @@ from pathlib import Path
 PR_SET_PDEATHSIG = 1
 #: How often a step that swallowed a stop signal's interrupt gets it again.
 RESEND_EVERY_S = 0.2
+
+log = logging.getLogger(__name__)
 
 
 def die_with_parent() -> None:
@@ -130,6 +133,24 @@ class StopEvent(threading.Event):
             if self._blocked:
                 with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
                     signal.pthread_kill(thread, sig)
+
+
+def quiet_teardown() -> None:
+    """From a stop signal on, what threads torn down by the stop say is routine: a
+    multiprocessing fd handover cut off (EOFError printed by its server thread), a
+    hivemind future whose round was abandoned ("Future exception was never retrieved",
+    logged at ERROR by asyncio). Said at DEBUG instead, so that a log's ERROR lines and
+    tracebacks keep meaning that something went wrong. Call it from a stop's callback."""
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+        log.debug("after the stop signal: %s: %s", kind.__name__, value)
+
+    def thread_excepthook(args: threading.ExceptHookArgs) -> None:
+        log.debug("after the stop signal, thread %s: %r", args.thread, args.exc_value)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
 def end_now(waited_s: float) -> None:

@@ -122,6 +122,10 @@ class HivemindWire:
         (AttributeError in the averager's thread, and a caller that waits out its shutdown
         timeout). Here each running round is cancelled through its runner."""
         del timeout  # nothing is left to wait for: cancelling a runner is immediate
+        # This process ends with its loop: what the rounds torn down here leave behind (the
+        # matchmaking pending, a stream's future reset by the peer) would each be logged as
+        # an error as it is destroyed.
+        logging.disable(logging.CRITICAL)
         this: Any = self
         if not this.client_mode:
             await this.remove_p2p_handlers(this._p2p, namespace=this.prefix)
@@ -130,9 +134,6 @@ class HivemindWire:
                 slot.cancel()
             elif not slot.cancelled() and slot.exception() is None:
                 slot.result().finalize(cancel=True)
-        # This process ends with its loop, and hivemind leaves the matchmaking it was in
-        # pending there: each would be logged as an error as it is destroyed.
-        logging.disable(logging.CRITICAL)
 
     async def _step(self, *, step: StepControl, future_for_init: Any) -> None:
         """hivemind sets a finished round's result even when its caller cancelled the

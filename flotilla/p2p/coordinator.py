@@ -36,6 +36,7 @@ from flotilla.p2p.dht import (
     training_peers,
     visible_maddrs,
 )
+from flotilla.p2p.gossip.consensus import SKETCH_DIMS, consensus_distance
 from flotilla.p2p.record import (
     RunRecord,
     SignedRecord,
@@ -236,6 +237,8 @@ class Coordinator:
             loss_history=[[e, means[e]] for e in sorted(means) if e < epoch],
             checkpoint_epoch=self.checkpoint_epoch,
             time=time.time(),
+            averaging=self.record.averaging,
+            consensus_distance=_consensus(fresh),
         )
 
     def serve(
@@ -252,6 +255,13 @@ class Coordinator:
             self._opt.shutdown()
         if self._dht is not None:
             self._dht.shutdown()
+
+
+def _consensus(metrics: list[PeerMetrics]) -> float | None:
+    """The consensus distance of the peers whose metrics carry a sketch of the usual size
+    (None below two: nothing to compare)."""
+    sketches = [m.sketch for m in metrics if m.sketch is not None and len(m.sketch) == SKETCH_DIMS]
+    return consensus_distance(sketches) if len(sketches) >= 2 else None
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -40,6 +40,8 @@ RECORD_TTL_S = 120.0
 METRICS_TTL_S = 60.0
 #: A peer whose last metrics are older than this is no longer counted online.
 ONLINE_S = 10.0
+#: The longest sketch a peer's metrics may carry (flotilla sends 32 numbers).
+MAX_SKETCH = 256
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
@@ -234,6 +236,9 @@ class PeerMetrics:
     epoch_losses: dict[str, float] = field(default_factory=dict)
     auxiliary: bool = False
     time: float = 0.0
+    #: Gossip runs: the peer's parameters projected on the run's seeded directions
+    #: (flotilla.p2p.gossip.consensus), so readers can tell how far apart the peers are.
+    sketch: list[float] | None = None
 
     def __post_init__(self) -> None:
         # Records come from any peer: a wrong type is refused here, not met in arithmetic.
@@ -243,6 +248,10 @@ class PeerMetrics:
             for k, v in self.epoch_losses.items()
         ):
             raise TypeError("epoch_losses must map epoch numbers to losses")
+        if self.sketch is not None and not (
+            len(self.sketch) <= MAX_SKETCH and all(_is_number(v) for v in self.sketch)
+        ):
+            raise TypeError(f"a sketch is at most {MAX_SKETCH} numbers")
 
 
 def publish_metrics(dht: hivemind.DHT, run: str, metrics: PeerMetrics) -> bool:
@@ -266,6 +275,11 @@ class RunStatus:
     loss_history: list[list[float]]
     checkpoint_epoch: int | None = None
     time: float = 0.0
+    #: The record's averaging (``gradients``, ``state``, ``gossip``).
+    averaging: str | None = None
+    #: Gossip runs: the largest distance of a peer's parameters from the peers' mean,
+    #: estimated from their sketches (None for other runs, or fewer than two sketches).
+    consensus_distance: float | None = None
 
     def __post_init__(self) -> None:
         _check_types(self, RUN_STATUS_TYPES)
@@ -320,6 +334,7 @@ PEER_METRIC_TYPES: dict[str, tuple[type, ...]] = {
     "epoch_losses": (dict,),
     "auxiliary": (bool,),
     "time": (int, float),
+    "sketch": (list, type(None)),
 }
 RUN_STATUS_TYPES: dict[str, tuple[type, ...]] = {
     "run": (str,),
@@ -330,6 +345,8 @@ RUN_STATUS_TYPES: dict[str, tuple[type, ...]] = {
     "loss_history": (list,),
     "checkpoint_epoch": (int, type(None)),
     "time": (int, float),
+    "averaging": (str, type(None)),
+    "consensus_distance": (int, float, type(None)),
 }
 
 

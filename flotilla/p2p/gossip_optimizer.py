@@ -37,6 +37,7 @@ from flotilla.core.timeouts import Timeouts
 from flotilla.p2p.codecs import hivemind_compression
 from flotilla.p2p.dht import ONLINE_S, PeerMetrics, publish_metrics, read_metrics
 from flotilla.p2p.gossip import Graph
+from flotilla.p2p.gossip.consensus import sketch
 from flotilla.p2p.gossip.peer import StepReport
 from flotilla.p2p.gossip.runner import GossipRunner
 from flotilla.p2p.record import RunRecord
@@ -49,6 +50,9 @@ MEMBERS_EVERY_S = 2.0
 JOIN_WEIGHT = 1e-3
 #: How often a joining peer looks whether a neighbour's share has arrived.
 JOIN_POLL_S = 0.1
+#: Seconds between sketches of the parameters (one costs a few hundred ms per 100k
+#: parameters on a laptop core).
+SKETCH_EVERY_S = 10.0
 
 
 def local_optimizer(record: RunRecord) -> Any:
@@ -112,6 +116,9 @@ class GossipOptimizer:
         self.averaged_epochs = 0
         self._samples = 0
         self._pending: Future[StepReport] | None = None
+        self._params = params
+        self._sketch: list[float] | None = None
+        self._sketched_at = -math.inf
         self._runner = GossipRunner(
             dht, record.swarm, [p.detach() for p in params], self.members,
             graph=Graph(record.gossip_topology, seed=record.seed),
@@ -144,6 +151,14 @@ class GossipOptimizer:
         in place, and waits for this."""
         with self._runner.lock:
             yield
+
+    def sketch(self) -> list[float]:
+        """The parameters' sketch for this peer's metrics, at most :data:`SKETCH_EVERY_S`
+        old; read without holding off mixing (a mix meanwhile blurs one estimate)."""
+        if time.monotonic() - self._sketched_at >= SKETCH_EVERY_S or self._sketch is None:
+            self._sketch = sketch(self._params, seed=self._record.seed)
+            self._sketched_at = time.monotonic()
+        return self._sketch
 
     def load_state_from_peers(self) -> None:
         """Nothing to download: a peer joining a run in progress joins light and waits for

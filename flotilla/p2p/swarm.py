@@ -20,6 +20,7 @@ import hivemind
 import torch
 
 from flotilla.core.blobs import sha256_hex
+from flotilla.core.errors import SpecError
 from flotilla.core.files import write_atomic
 from flotilla.core.tensors import decode_state, encode_state, read_metadata
 from flotilla.core.timeouts import Timeouts
@@ -59,6 +60,10 @@ class CountingOptimizer(hivemind.Optimizer):  # type: ignore[misc]
         """What a forward and backward pass hold: nothing here (group rounds change the
         parameters inside ``step``); a gossip run's optimizer holds its mixing off."""
         return contextlib.nullcontext()
+
+    def sketch(self) -> list[float] | None:
+        """Group runs publish no sketch: their peers agree after every round."""
+        return None
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
@@ -133,6 +138,11 @@ def make_optimizer(
     ``Timeouts.swarm_shutdown_s``."""
     quiet_hivemind()  # before hivemind forks the averagers, which inherit it
     if record.averaging == "gossip":
+        if auxiliary:
+            raise SpecError(
+                "a gossip run has no averaging rounds to assist: --auxiliary is for runs "
+                "that average in groups"
+            )
         return GossipOptimizer(dht, record, model, batch_size=batch_size or record.batch_size)
     compression = hivemind_compression(record.compression)
     factory = local_optimizer(record)

@@ -202,10 +202,10 @@ def _train(
             rate = (report.samples - samples_at_start) / max(now - started, 1e-6)
             started, samples_at_start = now, report.samples
             report.epoch_losses = {e: s / n for e, (s, n) in sums.items() if n}
-            _report(dht, options.run, report, opt.local_epoch, rate)
+            _report(dht, options.run, report, opt.local_epoch, rate, sketch=opt.sketch())
             last_report = now
     report.epoch_losses = {e: s / n for e, (s, n) in sums.items() if n}
-    _report(dht, options.run, report, opt.local_epoch, 0.0)
+    _report(dht, options.run, report, opt.local_epoch, 0.0, sketch=opt.sketch())
 
 
 def _assist(
@@ -239,7 +239,13 @@ def _step(opt: Any, stop: StopEvent) -> bool:
 
 
 def _report(
-    dht: Any, run: str, report: VolunteerReport, epoch: int, rate: float, auxiliary: bool = False
+    dht: Any,
+    run: str,
+    report: VolunteerReport,
+    epoch: int,
+    rate: float,
+    auxiliary: bool = False,
+    sketch: list[float] | None = None,
 ) -> None:
     recent = sorted(report.epoch_losses)[-EPOCHS_REPORTED:]
     current = report.epoch_losses.get(epoch) or (
@@ -255,6 +261,7 @@ def _report(
         epoch_losses={str(e): report.epoch_losses[e] for e in recent},
         auxiliary=auxiliary,
         time=time.time(),
+        sketch=sketch,
     )
     try:
         publish_metrics(dht, run, metrics)
