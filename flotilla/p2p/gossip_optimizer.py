@@ -50,6 +50,9 @@ MEMBERS_EVERY_S = 2.0
 JOIN_WEIGHT = 1e-3
 #: How often a joining peer looks whether a neighbour's share has arrived.
 JOIN_POLL_S = 0.1
+#: How long the training thread sleeps at a time while it waits for a gossip step: a
+#: signal delivered to another thread runs its handler when this one wakes.
+WAIT_SLICE_S = 0.2
 #: Seconds between sketches of the parameters (one costs a few hundred ms per 100k
 #: parameters on a laptop core).
 SKETCH_EVERY_S = 10.0
@@ -209,11 +212,18 @@ class GossipOptimizer:
 
     def _collect(self, future: Future[StepReport]) -> None:
         """Wait for a gossip step (it ends within the record's wait) and count it."""
-        try:
-            report = future.result(timeout=self._record.gossip_wait * 2)
-        except Exception as exc:  # a step that failed mixed nothing: train on
-            log.warning("a gossip step failed: %r", exc)
-            return
+        deadline = time.monotonic() + self._record.gossip_wait * 2
+        while True:  # in slices: a stop signal's handler runs only when this thread wakes
+            try:
+                report = future.result(timeout=WAIT_SLICE_S)
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    log.warning("a gossip step did not end within twice its wait")
+                    return
+            except Exception as exc:  # a step that failed mixed nothing: train on
+                log.warning("a gossip step failed: %r", exc)
+                return
         if report.taken_by or report.mixed_from:
             self.averaged_epochs += 1
 
