@@ -99,6 +99,9 @@ class Membership:
 
 
 class GossipOptimizer:
+    """A gossip run's volunteer optimizer; constructing it joins the run's gossip (serves
+    shares, announces this peer), :meth:`shutdown` leaves it."""
+
     def __init__(
         self,
         dht: hivemind.DHT,
