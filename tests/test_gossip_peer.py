@@ -170,6 +170,7 @@ def test_a_share_from_outside_the_run_is_refused_and_logged_once(
     assert torch.equal(params[PEERS[0]], before)
     assert network.peers[PEERS[0]].state.weight == 1.0
     assert sum("intruder" in r.getMessage() for r in caplog.records) == 1
+    assert network.peers[PEERS[0]].strangers == 3  # its owner may read the members again
 
 
 @pytest.mark.timeout(30)

@@ -122,6 +122,7 @@ class GossipOptimizer:
         self.averaged_epochs = 0
         self._samples = 0
         self._pending: Future[StepReport] | None = None
+        self._strangers = 0
         self._params = params
         self._sketch: list[float] | None = None
         self._sketched_at = -math.inf
@@ -202,7 +203,11 @@ class GossipOptimizer:
             self._gossip()
 
     def _gossip(self) -> None:
-        self.members.refresh()
+        # A share from a non-member is most often a peer that just joined: read the
+        # members now rather than at the next read (at most once an epoch).
+        strangers = self._runner.strangers
+        self.members.refresh(force=strangers != self._strangers)
+        self._strangers = strangers
         if self.members.epoch > self.local_epoch + 1:  # fell behind: sync pairs by epoch
             self.local_epoch = self.members.epoch
         started = self._runner.step(self.local_epoch)

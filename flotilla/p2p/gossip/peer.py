@@ -94,6 +94,9 @@ class GossipPeer:
         #: the answer its sender waits for).
         self._early: dict[int, list[tuple[str, GossipShare, asyncio.Future[float]]]] = {}
         self._refused: set[str] = set()
+        #: Shares refused because their sender is not a member: a peer the membership has
+        #: not seen yet (its owner may read the members again) or an intruder.
+        self.strangers = 0
         self._mixed_now: list[str] = []
         self._arrived = asyncio.Event()
         self._stepping = asyncio.Lock()
@@ -120,6 +123,7 @@ class GossipPeer:
         WireError for a share that does not fit this model; each logged once per sender."""
         try:
             if sender not in self._members():
+                self.strangers += 1
                 raise UpdateRejected(f"{sender} is not a member of this run")
             self.state.check(share)
         except FlotillaError as exc:

@@ -71,6 +71,11 @@ class GossipRunner:
         self._peer.catching_up = on
 
     @property
+    def strangers(self) -> int:
+        """Shares refused from non-members so far (:attr:`GossipPeer.strangers`)."""
+        return 0 if self._peer is None else self._peer.strangers
+
+    @property
     def uncertain(self) -> float:
         """Weight of shares whose answer was lost on the way (:attr:`GossipPeer.uncertain`)."""
         return 0.0 if self._peer is None else self._peer.uncertain
