@@ -21,10 +21,6 @@ if TYPE_CHECKING:
     from flotilla.core.lifetime import StopEvent
     from flotilla.p2p import Coordinator, RunStatus
 
-#: How long the main thread sleeps between looks at its stop event while a coordinator
-#: serves: a signal that lands in another thread runs its handler when this one wakes.
-SIGNAL_POLL_S = 0.2
-
 
 def add_volunteer_parser(commands: Any) -> None:
     vol = commands.add_parser(
@@ -226,6 +222,7 @@ def _serve_until_stopped(
     ``load_state_timeout``) would leave Ctrl-C unanswered, and the hard stop unarmed, until
     the duty ended. A duty still running when the stop comes gets a moment to end; then
     the coordinator shuts down under it (it fails, and says so in a warning)."""
+    from flotilla.core.lifetime import WAKE_EVERY_S
     from flotilla.core.timeouts import Timeouts
 
     failed: list[BaseException] = []
@@ -239,7 +236,7 @@ def _serve_until_stopped(
     serving = threading.Thread(target=serve, name="coordinator", daemon=True)
     serving.start()
     while serving.is_alive() and not stop.is_set():
-        stop.wait(SIGNAL_POLL_S)
+        stop.wait(WAKE_EVERY_S)
     serving.join(timeout=Timeouts().coordinator_stop_s)
     if failed:
         raise failed[0]

@@ -27,6 +27,9 @@ from pathlib import Path
 PR_SET_PDEATHSIG = 1
 #: How often a step that swallowed a stop signal's interrupt gets it again.
 RESEND_EVERY_S = 0.2
+#: How long a main thread that waits sleeps at a time: Python runs a signal's handler in
+#: the main thread only, when it wakes, and a signal may be delivered to another thread.
+WAKE_EVERY_S = 0.2
 
 log = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ from typing import Any
 import hivemind
 import torch
 
+from flotilla.core.lifetime import WAKE_EVERY_S
 from flotilla.core.timeouts import Timeouts
 from flotilla.p2p.codecs import hivemind_compression
 from flotilla.p2p.dht import ONLINE_S, PeerMetrics, publish_metrics, read_metrics
@@ -50,9 +51,6 @@ MEMBERS_EVERY_S = 2.0
 JOIN_WEIGHT = 1e-3
 #: How often a joining peer looks whether a neighbour's share has arrived.
 JOIN_POLL_S = 0.1
-#: How long the training thread sleeps at a time while it waits for a gossip step: a
-#: signal delivered to another thread runs its handler when this one wakes.
-WAIT_SLICE_S = 0.2
 #: Seconds between sketches of the parameters (one costs a few hundred ms per 100k
 #: parameters on a laptop core).
 SKETCH_EVERY_S = 10.0
@@ -223,7 +221,7 @@ class GossipOptimizer:
         deadline = time.monotonic() + self._record.gossip_wait * 2
         while True:  # in slices: a stop signal's handler runs only when this thread wakes
             try:
-                report = future.result(timeout=WAIT_SLICE_S)
+                report = future.result(timeout=WAKE_EVERY_S)
                 break
             except TimeoutError:
                 if time.monotonic() >= deadline:

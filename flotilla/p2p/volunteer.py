@@ -205,7 +205,9 @@ def _train(
             _report(dht, options.run, report, opt.local_epoch, rate, sketch=opt.sketch())
             last_report = now
     report.epoch_losses = {e: s / n for e, (s, n) in sums.items() if n}
-    _report(dht, options.run, report, opt.local_epoch, 0.0, sketch=opt.sketch())
+    # No sketch on the way out: computing one delays a Ctrl-C, and a leaving gossip peer's
+    # goodbye replaces these metrics at once.
+    _report(dht, options.run, report, opt.local_epoch, 0.0)
 
 
 def _assist(
