@@ -214,3 +214,61 @@ def test_a_sender_that_stalls_mid_share_is_dropped_after_the_idle_time() -> None
 
     with pytest.raises(WireError, match="stalled"):
         asyncio.run(read_share(stalled(), SHAPES, 0.2))
+
+
+def test_a_coordinator_fetches_members_states_and_serves_its_checkpoint(
+    dhts: list[Any],
+) -> None:
+    """The state a gossip peer serves (parameters, push-sum weight, epoch) reaches a
+    coordinator exactly; the weighted mean of states is push-sum's network average; a
+    coordinator serves nothing before its first checkpoint, and its checkpoint after; a
+    state of another model is refused."""
+    from flotilla.p2p.gossip.runner import GossipRunner
+    from flotilla.p2p.gossip.state import StateService, mean_state
+
+    member, coordinator = dhts
+    model = _model(0)
+    epoch = [7]
+    runner = GossipRunner(
+        member, "statetest", model, lambda: [str(member.peer_id)],
+        graph=Graph(), compression=NoCompression(), mode="sync", wait_s=5.0,
+        weight=0.75, epoch=lambda: epoch[0],
+    ).start(start_s=30)  # fmt: skip
+    service = StateService(coordinator, "statetest", SHAPES).start(start_s=30)
+    other = StateService(member, "othermodel", [torch.Size([3])]).start(start_s=30)
+    try:
+        state = service.fetch(str(member.peer_id), timeout_s=20)
+        assert (state.step, state.weight) == (7, 0.75)
+        for got, want in zip(state.tensors, model, strict=True):
+            assert torch.equal(got, want)
+
+        heavier = GossipShare(9, 2.25, tuple(2 * t for t in model))
+        mean = mean_state([state, heavier])  # (0.75 z + 2.25 * 2z) / 3 = 1.75 z
+        assert (mean.step, mean.weight) == (9, 1.0)
+        for got, want in zip(mean.tensors, model, strict=True):
+            assert torch.allclose(got, 1.75 * want)
+
+        with pytest.raises(WireError, match="no state"):
+            runner.fetch_state(str(coordinator.peer_id), timeout_s=20)
+        service.offer(GossipShare(12, 1.0, tuple(mean.tensors)))
+        resumed = runner.fetch_state(str(coordinator.peer_id), timeout_s=20)
+        assert resumed.step == 12
+        runner.restore(resumed)
+        assert runner.weight == 1.0 and torch.allclose(model[0], 1.75 * _model(0)[0])
+
+        other.offer(GossipShare(1, 1.0, (torch.ones(3),)))  # a model of other shapes
+        wrong = StateService(coordinator, "othermodel", SHAPES).start(start_s=30)
+        try:
+            with pytest.raises(WireError):
+                wrong.fetch(str(member.peer_id), timeout_s=20)
+        finally:
+            wrong.close(close_s=5)
+        gone = start_dht()
+        gone_id = str(gone.peer_id)
+        gone.shutdown()
+        with pytest.raises(Unreachable):
+            service.fetch(gone_id, timeout_s=5)
+    finally:
+        other.close(close_s=5)
+        service.close(close_s=5)
+        runner.close(close_s=5)

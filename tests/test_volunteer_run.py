@@ -568,3 +568,44 @@ def test_a_gossip_run_mixes_volunteers_and_a_late_one_joins_light(
     for name in ("coordinator", "v0", "v1", "late"):
         noisy = [line for line in peers.log(name).splitlines() if "ERROR" in line]
         assert not noisy, f"{name}:\n{peers.log(name)[-3000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_gossip_run_checkpoints_names_neighbours_and_resumes_after_everyone_left(
+    peers: Peers, tmp_path: Path
+) -> None:
+    """A gossip run's coordinator checkpoints the members' mean state and `status --json`
+    names each peer's neighbours; when every volunteer is gone and the coordinator itself
+    crashed and restarted, a new volunteer resumes from the checkpoint, not from scratch."""
+    run, state = "gossip-resume", tmp_path / "coord"
+    gossip = ("--averaging", "gossip", "--gossip-wait", "5")
+    maddr = _coordinate(peers, run, state, *gossip)
+    first = [_volunteer(peers, f"v{i}", run, maddr) for i in range(2)]
+    for i in range(2):
+        _wait(f"v{i} to join", lambda i=i: "joined run " in peers.log(f"v{i}"), 120)
+    ids = [_peer_id(peers, f"v{i}") for i in range(2)]
+
+    def mixed_and_saved() -> dict[str, Any] | None:
+        status = _status(peers, run, maddr)
+        checkpoint, neighbours = status["checkpoint_epoch"], status["neighbours"] or {}
+        both = all(neighbours.get(p) for p in ids)
+        return status if checkpoint is not None and checkpoint >= 4 and both else None
+
+    status = _wait("a checkpoint at epoch 4 and both peers mixing", mixed_and_saved, 240, 2.0)
+    assert status["checkpoint_peer"] == maddr.rsplit("/p2p/", 1)[1], status
+    assert status["neighbours"] == {ids[0]: [ids[1]], ids[1]: [ids[0]]}, status
+
+    # Everyone leaves (kill -9), the coordinator crashes; it restarts with its checkpoint.
+    for proc in [*first, peers.procs[0]]:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    maddr = _coordinate(peers, run, state, *gossip)
+    saved = _status(peers, run, maddr)["checkpoint_epoch"]
+    assert saved is not None and saved >= status["checkpoint_epoch"]
+    late = _volunteer(peers, "late", run, maddr, "--max-epochs", "2")
+    out, _ = late.communicate(timeout=240)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["first_epoch"] >= saved, (report, peers.log("late")[-3000:])
+    assert f"resumed from the run's checkpoint of epoch {saved}" in peers.log("late")
+    assert min(report["epoch_losses"].values()) < LEARNED_LOSS, report  # not a fresh model

@@ -302,6 +302,8 @@ def _status(args: argparse.Namespace) -> int:
         )
         if status.consensus_distance is not None:
             print(f"  {status.averaging}: consensus distance {status.consensus_distance:.4g}")
+        for peer, neighbours in sorted((status.neighbours or {}).items()):
+            print(f"  {peer} mixes with {', '.join(neighbours) or 'nobody yet'}")
         for epoch, value in status.loss_history:
             print(f"  epoch {int(epoch)}: loss {value:.4f}")
     return 0

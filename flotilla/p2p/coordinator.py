@@ -23,7 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from flotilla.core.errors import FlotillaError
 from flotilla.core.files import write_atomic
+from flotilla.core.timeouts import Timeouts
 from flotilla.p2p.codecs import install_codecs
 from flotilla.p2p.dht import (
     ONLINE_S,
@@ -37,6 +41,8 @@ from flotilla.p2p.dht import (
     visible_maddrs,
 )
 from flotilla.p2p.gossip.consensus import SKETCH_DIMS, consensus_distance
+from flotilla.p2p.gossip.pushsum import GossipShare
+from flotilla.p2p.gossip.state import StateService, mean_state
 from flotilla.p2p.record import (
     RunRecord,
     SignedRecord,
@@ -50,6 +56,9 @@ from flotilla.tasks.base import load_task
 log = logging.getLogger(__name__)
 #: Seconds between republishing the record (its DHT entry lives RECORD_TTL_S).
 REPUBLISH_S = 30.0
+#: A gossip run's checkpoint is the weighted mean of this many members' states (the most
+#: advanced): enough to average out one peer's drift, few enough to fetch in a tick.
+CHECKPOINT_PEERS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +83,8 @@ class Coordinator:
         self._last_publish = 0.0
         self._dht: Any = None
         self._opt: Any = None
+        #: A gossip run's: fetches members' states, serves the checkpoint.
+        self._states: StateService | None = None
         self._model: Any = None
         self._signed: SignedRecord | None = None
         self.record: RunRecord | None = None
@@ -103,10 +114,16 @@ class Coordinator:
             identity_path=self._dir / "p2p-identity.key",
         )
         self._model = model  # the optimizer's main parameters: what peers share
-        if record.averaging != "gossip":  # a gossip run has no group state to take part in
+        if record.averaging == "gossip":  # no group state: members serve their own
+            shapes = [p.shape for p in self._params()]
+            self._states = StateService(self._dht, record.swarm, shapes)
+            self._states.start(start_s=Timeouts().dht_start_s)
+            if self.checkpoint_epoch is not None:
+                self._offer(self.checkpoint_epoch)
+        else:
             self._opt = make_optimizer(self._dht, record, model, batch_size=1)
-        if self.checkpoint_epoch is not None and self._opt is not None:
-            self._share_epoch(self.checkpoint_epoch)
+            if self.checkpoint_epoch is not None:
+                self._share_epoch(self.checkpoint_epoch)
         self.record, self._signed = record, sign_record(record, key)
         publish_record(self._dht, record.run, self._signed)
         self._last_publish = time.monotonic()
@@ -167,8 +184,11 @@ class Coordinator:
             self._note_plain_peers()
         progress = self._opt.tracker.global_progress if self._opt is not None else None
         epoch = max([progress.epoch if progress else 0, *(m.epoch for m in metrics)], default=0)
-        if self._opt is not None and self._due_for_checkpoint(epoch):
-            self._checkpoint()
+        if self._due_for_checkpoint(epoch):
+            if self._opt is not None:
+                self._checkpoint()
+            elif self._states is not None:
+                self._checkpoint_gossip(metrics)
         status = self._status(metrics, epoch, progress)
         publish_status(self._dht, status)
         _write_json(self._dir / "status.json", dataclasses.asdict(status))
@@ -221,6 +241,44 @@ class Coordinator:
         self._share_epoch(averager.local_epoch)
         log.info("checkpoint of epoch %d saved", averager.local_epoch)
 
+    def _params(self) -> list[Any]:
+        """The tensors a gossip run mixes, in the order its peers send them."""
+        return [p for p in self._model.parameters() if p.requires_grad]
+
+    def _checkpoint_gossip(self, metrics: list[PeerMetrics]) -> None:
+        """Save the weighted mean of the most advanced members' states (push-sum's network
+        average, as far as those members hold it) and serve it."""
+        assert self.record is not None and self._states is not None
+        now = time.time()
+        members = sorted(
+            (m for m in metrics if now - m.time <= ONLINE_S and not m.auxiliary),
+            key=lambda m: -m.epoch,
+        )[:CHECKPOINT_PEERS]
+        states: list[GossipShare] = []
+        for m in members:
+            try:
+                states.append(self._states.fetch(m.peer, self.record.load_state_timeout))
+            except FlotillaError as exc:  # left, or not serving yet: the others will do
+                log.info("no state from %s for the checkpoint: %s", m.peer, exc)
+        if not states:
+            return
+        mean = mean_state(states)
+        if self.checkpoint_epoch is not None and mean.step <= self.checkpoint_epoch:
+            return
+        with torch.no_grad():
+            for param, value in zip(self._params(), mean.tensors, strict=True):
+                param.copy_(value)
+        save_checkpoint(self.checkpoint_path, self._model, mean.step, self.record)
+        self._offer(mean.step)
+        log.info("checkpoint of epoch %d saved (mean of %d peers)", mean.step, len(states))
+
+    def _offer(self, epoch: int) -> None:
+        """Serve the model as the run's checkpoint of ``epoch`` to peers that resume it."""
+        assert self._states is not None
+        self.checkpoint_epoch = epoch
+        params = tuple(p.detach().clone() for p in self._params())
+        self._states.offer(GossipShare(epoch, 1.0, params))
+
     def _status(self, metrics: list[PeerMetrics], epoch: int, progress: Any) -> RunStatus:
         assert self.record is not None
         fresh = [m for m in metrics if time.time() - m.time <= ONLINE_S and not m.auxiliary]
@@ -239,6 +297,12 @@ class Coordinator:
             time=time.time(),
             averaging=self.record.averaging,
             consensus_distance=_consensus(fresh),
+            checkpoint_peer=str(self._dht.peer_id)
+            if self._states is not None and self.checkpoint_epoch is not None
+            else None,
+            neighbours={m.peer: m.neighbours for m in fresh if m.neighbours is not None}
+            if self._states is not None
+            else None,
         )
 
     def serve(
@@ -253,6 +317,8 @@ class Coordinator:
     def shutdown(self) -> None:
         if self._opt is not None:
             self._opt.shutdown()
+        if self._states is not None:
+            self._states.close(close_s=Timeouts().swarm_leave_s)
         if self._dht is not None:
             self._dht.shutdown()
 

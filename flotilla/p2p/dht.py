@@ -42,6 +42,8 @@ METRICS_TTL_S = 60.0
 ONLINE_S = 10.0
 #: The longest sketch a peer's metrics may carry (flotilla sends 32 numbers).
 MAX_SKETCH = 256
+#: The most neighbours a peer's metrics may name (a gossip step has one or a few).
+MAX_NEIGHBOURS = 64
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
@@ -239,10 +241,14 @@ class PeerMetrics:
     #: Gossip runs: the peer's parameters projected on the run's seeded directions
     #: (flotilla.p2p.gossip.consensus), so readers can tell how far apart the peers are.
     sketch: list[float] | None = None
+    #: Gossip runs: the peers this one mixed with at its last gossip step.
+    neighbours: list[str] | None = None
 
     def __post_init__(self) -> None:
         # Records come from any peer: a wrong type is refused here, not met in arithmetic.
         _check_types(self, PEER_METRIC_TYPES)
+        if self.neighbours is not None and not _peer_list(self.neighbours):
+            raise TypeError(f"neighbours are at most {MAX_NEIGHBOURS} peer ids")
         if not all(
             isinstance(k, str) and k.isdigit() and _is_number(v)
             for k, v in self.epoch_losses.items()
@@ -280,9 +286,18 @@ class RunStatus:
     #: Gossip runs: the largest distance of a peer's parameters from the peers' mean,
     #: estimated from their sketches (None for other runs, or fewer than two sketches).
     consensus_distance: float | None = None
+    #: Gossip runs: the peer serving the last checkpoint (the coordinator), from which a
+    #: volunteer joining a run with no member left resumes.
+    checkpoint_peer: str | None = None
+    #: Gossip runs: each online peer's neighbours at its last gossip step.
+    neighbours: dict[str, list[str]] | None = None
 
     def __post_init__(self) -> None:
         _check_types(self, RUN_STATUS_TYPES)
+        if self.neighbours is not None and not all(
+            isinstance(k, str) and _peer_list(v) for k, v in self.neighbours.items()
+        ):
+            raise TypeError("neighbours must map peer ids to lists of peer ids")
         if not all(
             isinstance(p, list) and len(p) == 2 and all(_is_number(x) for x in p)
             for p in self.loss_history
@@ -335,6 +350,7 @@ PEER_METRIC_TYPES: dict[str, tuple[type, ...]] = {
     "auxiliary": (bool,),
     "time": (int, float),
     "sketch": (list, type(None)),
+    "neighbours": (list, type(None)),
 }
 RUN_STATUS_TYPES: dict[str, tuple[type, ...]] = {
     "run": (str,),
@@ -347,11 +363,21 @@ RUN_STATUS_TYPES: dict[str, tuple[type, ...]] = {
     "time": (int, float),
     "averaging": (str, type(None)),
     "consensus_distance": (int, float, type(None)),
+    "checkpoint_peer": (str, type(None)),
+    "neighbours": (dict, type(None)),
 }
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _peer_list(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_NEIGHBOURS
+        and all(isinstance(p, str) for p in value)
+    )
 
 
 def _check_types(record: Any, types: dict[str, tuple[type, ...]]) -> None:

@@ -33,10 +33,11 @@ from typing import Any
 import hivemind
 import torch
 
+from flotilla.core.errors import FlotillaError
 from flotilla.core.lifetime import WAKE_EVERY_S
 from flotilla.core.timeouts import Timeouts
 from flotilla.p2p.codecs import hivemind_compression
-from flotilla.p2p.dht import ONLINE_S, PeerMetrics, publish_metrics, read_metrics
+from flotilla.p2p.dht import ONLINE_S, PeerMetrics, publish_metrics, read_metrics, read_status
 from flotilla.p2p.gossip import Graph
 from flotilla.p2p.gossip.consensus import sketch
 from flotilla.p2p.gossip.peer import StepReport
@@ -124,12 +125,14 @@ class GossipOptimizer:
         self._params = params
         self._sketch: list[float] | None = None
         self._sketched_at = -math.inf
+        self._neighbours: list[str] = []
         self._runner = GossipRunner(
             dht, record.swarm, [p.detach() for p in params], self.members,
             graph=Graph(record.gossip_topology, seed=record.seed),
             compression=hivemind_compression(record.compression),
             mode=record.gossip_mode, wait_s=record.gossip_wait,
             weight=JOIN_WEIGHT if self._joining else 1.0, first_step=self.local_epoch,
+            epoch=lambda: self.local_epoch,
         )  # fmt: skip
         self._runner.start(start_s=Timeouts().dht_start_s)
         self._closed = threading.Event()
@@ -165,11 +168,18 @@ class GossipOptimizer:
             self._sketched_at = time.monotonic()
         return self._sketch
 
+    def neighbours(self) -> list[str]:
+        """The peers this one mixed with at its last gossip step (sent a share one took,
+        or mixed one's share)."""
+        return list(self._neighbours)
+
     def load_state_from_peers(self) -> None:
-        """Nothing to download: a peer joining a run in progress joins light and waits for
-        its first mix, which brings it its neighbours' parameters (at most two gossip
-        waits and two membership reads: then it trains from its own)."""
+        """A peer joining a run in progress joins light and waits for its first mix, which
+        brings it its neighbours' parameters (at most two gossip waits and two membership
+        reads). A peer that finds no member with progress, or none that mixes with it,
+        resumes from the coordinator's checkpoint, if the run has one."""
         if not self._joining:
+            self._resume()
             return
         deadline = time.monotonic() + 2 * (self._record.gossip_wait + MEMBERS_EVERY_S)
         self._runner.catch_up(True)
@@ -180,12 +190,34 @@ class GossipOptimizer:
             self._runner.catch_up(False)
         if self._runner.weight > 2 * JOIN_WEIGHT:
             log.info("took its neighbours' parameters at epoch %d", self.local_epoch)
-        else:
-            log.warning(
-                "no neighbour mixed with this peer within %.0f s of joining: it trains from "
-                "its own parameters until one does",
-                2 * (self._record.gossip_wait + MEMBERS_EVERY_S),
+            return
+        log.warning(
+            "no neighbour mixed with this peer within %.0f s of joining (they may have "
+            "left): it starts from the run's checkpoint, if any",
+            2 * (self._record.gossip_wait + MEMBERS_EVERY_S),
+        )
+        self._resume()
+
+    def _resume(self) -> None:
+        """Start from the run's checkpoint (every volunteer left; the coordinator serves
+        it): its parameters, full weight and its epoch."""
+        try:
+            status = read_status(self._dht, self._record.run)
+        except Exception as exc:  # no status: a run that has not checkpointed yet
+            log.warning("could not read the run's status: %s", exc)
+            return
+        if status is None or status.checkpoint_peer is None or not status.checkpoint_epoch:
+            return
+        try:
+            state = self._runner.fetch_state(
+                status.checkpoint_peer, timeout_s=self._record.load_state_timeout
             )
+        except FlotillaError as exc:  # train from the initial model: say so
+            log.warning("could not download the run's checkpoint; starting afresh: %s", exc)
+            return
+        self._runner.restore(state)
+        self.local_epoch = max(self.local_epoch, state.step)
+        log.info("resumed from the run's checkpoint of epoch %d", state.step)
 
     def zero_grad(self) -> None:
         self._opt.zero_grad()
@@ -230,6 +262,7 @@ class GossipOptimizer:
             except Exception as exc:  # a step that failed mixed nothing: train on
                 log.warning("a gossip step failed: %r", exc)
                 return
+        self._neighbours = sorted({*report.taken_by, *report.mixed_from})
         if report.taken_by or report.mixed_from:
             self.averaged_epochs += 1
 

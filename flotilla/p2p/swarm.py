@@ -65,6 +65,10 @@ class CountingOptimizer(hivemind.Optimizer):  # type: ignore[misc]
         """Group runs publish no sketch: their peers agree after every round."""
         return None
 
+    def neighbours(self) -> list[str] | None:
+        """Group runs have no neighbours: a round's group is whoever matched."""
+        return None
+
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         if maybe_step_control is not None and maybe_step_control.done():

@@ -202,7 +202,10 @@ def _train(
             rate = (report.samples - samples_at_start) / max(now - started, 1e-6)
             started, samples_at_start = now, report.samples
             report.epoch_losses = {e: s / n for e, (s, n) in sums.items() if n}
-            _report(dht, options.run, report, opt.local_epoch, rate, sketch=opt.sketch())
+            _report(
+                dht, options.run, report, opt.local_epoch, rate,
+                sketch=opt.sketch(), neighbours=opt.neighbours(),
+            )  # fmt: skip
             last_report = now
     report.epoch_losses = {e: s / n for e, (s, n) in sums.items() if n}
     # No sketch on the way out: computing one delays a Ctrl-C, and a leaving gossip peer's
@@ -248,6 +251,7 @@ def _report(
     rate: float,
     auxiliary: bool = False,
     sketch: list[float] | None = None,
+    neighbours: list[str] | None = None,
 ) -> None:
     recent = sorted(report.epoch_losses)[-EPOCHS_REPORTED:]
     current = report.epoch_losses.get(epoch) or (
@@ -264,6 +268,7 @@ def _report(
         auxiliary=auxiliary,
         time=time.time(),
         sketch=sketch,
+        neighbours=neighbours,
     )
     try:
         publish_metrics(dht, run, metrics)

@@ -23,7 +23,8 @@ from hivemind.compression import CompressionBase
 
 from flotilla.p2p.gossip.graph import Graph
 from flotilla.p2p.gossip.peer import GossipPeer, StepReport
-from flotilla.p2p.gossip.pushsum import PushSum
+from flotilla.p2p.gossip.pushsum import GossipShare, PushSum
+from flotilla.p2p.gossip.state import fetch_from_thread, serve_state, state_handler_name
 from flotilla.p2p.gossip.wire import LibP2PTransport, handler_name
 
 log = logging.getLogger(__name__)
@@ -43,11 +44,13 @@ class GossipRunner:
         wait_s: float,
         weight: float = 1.0,
         first_step: int = 0,
+        epoch: Callable[[], int] = lambda: 0,
     ) -> None:
         """``weight``: the push-sum weight to start with (1; less for a peer joining a run
         in progress, whose parameters should count for little until it has mixed), and
-        ``first_step`` the step it gossips first (the run's, for such a peer)."""
-        self._dht, self._swarm, self._members = dht, swarm, members
+        ``first_step`` the step it gossips first (the run's, for such a peer); ``epoch``
+        says the training's epoch, served with the parameters (:mod:`.state`)."""
+        self._dht, self._swarm, self._members, self._epoch = dht, swarm, members, epoch
         self._state = PushSum(tensors, weight)
         self._graph, self._compression, self._mode, self._wait_s = graph, compression, mode, wait_s
         self._first_step = first_step
@@ -110,6 +113,26 @@ class GossipRunner:
             mode=self._mode, wait_s=self._wait_s, first_step=self._first_step,
         )  # fmt: skip
         await transport.serve(self._peer)
+        await serve_state(self._p2p, self._swarm, self._snapshot)
+
+    def _snapshot(self) -> GossipShare:
+        """This peer's state for a coordinator's checkpoint (between mixes and steps)."""
+        with self.lock:
+            tensors = tuple(t.detach().clone() for t in self._state.tensors)
+            return GossipShare(self._epoch(), self._state.weight, tensors)
+
+    def fetch_state(self, peer: str, timeout_s: float) -> GossipShare:
+        """``peer``'s state (a coordinator's checkpoint), within ``timeout_s`` or
+        Unreachable; WireError when it serves none or a malformed one."""
+        shapes = [t.shape for t in self._state.tensors]
+        return fetch_from_thread(self._loop, self._p2p, self._swarm, peer, shapes, timeout_s)
+
+    def restore(self, state: GossipShare) -> None:
+        """Start from ``state`` (a checkpoint): its parameters, and full weight."""
+        with self.lock, torch.no_grad():
+            for mine, saved in zip(self._state.tensors, state.tensors, strict=True):
+                mine.copy_(saved)
+            self._state.weight = 1.0
 
     def step(self, step: int) -> Future[StepReport]:
         """Gossip step ``step``, running on the gossip thread; done within ``wait_s``."""
@@ -137,6 +160,9 @@ class GossipRunner:
         if self._p2p is not None:
             await self._p2p.remove_protobuf_handler(
                 handler_name(self._swarm), stream_input=True, stream_output=True
+            )
+            await self._p2p.remove_protobuf_handler(
+                state_handler_name(self._swarm), stream_output=True
             )
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         if others:
