@@ -23,9 +23,13 @@ class Network:
     """Peers by name; a share is dropped with probability ``drop`` before it arrives (the
     sender sees an error) and takes up to ``delay_s`` on the way."""
 
-    def __init__(self, drop: float = 0.0, delay_s: float = 0.002, seed: int = 0) -> None:
+    def __init__(
+        self, drop: float = 0.0, delay_s: float = 0.002, seed: int = 0, goodbyes: bool = True
+    ) -> None:
+        """``goodbyes``: a dead peer leaves the membership at once (else it stays)."""
         self.peers: dict[str, GossipPeer] = {}
         self.dead: set[str] = set()
+        self.goodbyes = goodbyes
         self.drop, self.delay_s = drop, delay_s
         self.rng = random.Random(seed)
 
@@ -33,7 +37,7 @@ class Network:
         return Link(self, me)
 
     def members(self) -> list[str]:
-        return [p for p in self.peers if p not in self.dead]
+        return [p for p in self.peers if not (self.goodbyes and p in self.dead)]
 
 
 class Link:
@@ -149,6 +153,33 @@ def test_a_peer_killed_mid_run_stalls_no_survivor_beyond_the_wait(mode: str) -> 
     centre = _mass_average(network, params)
     spread = max(float((params[p] - centre).abs().max()) for p in alive)
     assert spread < 1e-3, spread  # the survivors still agree
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_killed_without_a_goodbye_costs_each_neighbour_one_wait() -> None:
+    """A sync peer waits half a wait for an in-neighbour's share; one killed without a
+    goodbye stays a member (until its metrics grow old): each survivor waits for it once,
+    then mixes on (its shares are mixed as they come, should it be only slow)."""
+    wait_s = 0.4
+    network = Network(goodbyes=False)  # the victim stays a member
+    params = _swarm(network, "sync", wait_s=wait_s)
+    victim = PEERS[3]
+    network.dead.add(victim)
+
+    async def main() -> list[list[float]]:
+        times = await asyncio.gather(*(_run(network, p, 24) for p in PEERS if p != victim))
+        for peer in network.peers.values():
+            peer.close()
+        return times
+
+    for took in asyncio.run(main()):
+        waited = [t for t in took if t >= 0.8 * wait_s / 2]
+        assert len(waited) <= 1, took  # 24 steps: the victim is an in-neighbour 8 times
+    alive = [p for p in PEERS if p != victim]
+    centre = sum(network.peers[p].state.weight * params[p] for p in alive) / sum(
+        network.peers[p].state.weight for p in alive
+    )
+    assert max(float((params[p] - centre).abs().max()) for p in alive) < 1e-3
 
 
 @pytest.mark.timeout(30)

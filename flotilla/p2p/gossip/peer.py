@@ -12,7 +12,9 @@ for a step it has not reached is held until it gets there, for as long as the sh
 sender said it can wait (``hold_s``, its own wait less a margin for the answer's way
 back); if that runs out it is answered "nothing taken", and the sender takes its weight
 back. A lost share costs its receiver at most half a wait, so a receiver that waited in
-vain still reaches its next step before that step's senders give up.
+vain still reaches its next step before that step's senders give up; and it does not wait
+for that sender again until a share of its arrives (a peer killed without a goodbye costs
+each of its neighbours one half-wait; a slow one's shares are mixed as they come).
 
 Nothing here knows the network: the transport sends a share and returns the weight taken,
 and calls :meth:`GossipPeer.receive` for each share that arrives (in-process in tests,
@@ -98,6 +100,10 @@ class GossipPeer:
         #: not seen yet (its owner may read the members again) or an intruder.
         self.strangers = 0
         self._mixed_now: list[str] = []
+        #: In-neighbours whose share missed a sync step's wait (left, or slow): not waited
+        #: for again until a share of theirs arrives, so a peer killed without a goodbye
+        #: costs its neighbours one wait, not one at every step until the membership drops it.
+        self._late: set[str] = set()
         self._arrived = asyncio.Event()
         self._stepping = asyncio.Lock()
         #: Sends whose answer has not come: their weight is set aside until it does.
@@ -126,6 +132,7 @@ class GossipPeer:
                 self.strangers += 1
                 raise UpdateRejected(f"{sender} is not a member of this run")
             self.state.check(share)
+            self._late.discard(sender)
         except FlotillaError as exc:
             if sender not in self._refused:
                 self._refused.add(sender)
@@ -229,12 +236,13 @@ class GossipPeer:
     async def _await_neighbours(self, members: Sequence[str], step: int, deadline: float) -> None:
         """Until every in-neighbour's share of ``step`` is mixed, or the deadline: they
         arrive through :meth:`receive`, which mixes them at once now the step is current."""
-        expected = set(self.graph.in_neighbours(members, self.me, step))
+        expected = set(self.graph.in_neighbours(members, self.me, step)) - self._late
         loop = asyncio.get_running_loop()
         while not expected <= set(self._mixed_now) and loop.time() < deadline:
             self._arrived.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
+        self._late |= expected - set(self._mixed_now)
 
     def _mix_early(self, step: int) -> None:
         for due in sorted(s for s in self._early if s <= step):
