@@ -561,8 +561,11 @@ def test_a_gossip_run_mixes_volunteers_and_a_late_one_joins_light(
     assert min(joined["epoch_losses"].values()) < LEARNED_LOSS, joined  # not a fresh model
     for report in reports.values():
         epochs = report["last_epoch"] - report["first_epoch"]
-        # Most epochs mix with a neighbour (not the first ones, before the peers meet).
-        assert epochs >= 6 and report["averaged_epochs"] >= epochs / 2, report
+        # sync: most epochs mix with a neighbour (not the first ones, before the peers
+        # meet); async never waits for a step in flight, so it mixes as often as the link
+        # lets it (on loopback about every second or third epoch of this small model).
+        share = 2 if mode == "sync" else 10
+        assert epochs >= 6 and report["averaged_epochs"] >= max(3, epochs / share), report
         losses = [report["epoch_losses"][k] for k in sorted(report["epoch_losses"], key=int)]
         assert losses[-1] < losses[0] - 0.3, losses
     for name in ("coordinator", "v0", "v1", "late"):

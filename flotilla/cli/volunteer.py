@@ -140,6 +140,7 @@ def _join(args: argparse.Namespace) -> int:
                     "samples": report.samples,
                     "averaged_epochs": report.averaged_epochs,
                     "epoch_losses": {str(e): v for e, v in sorted(report.epoch_losses.items())},
+                    "epoch_started": {str(e): t for e, t in sorted(report.epoch_started.items())},
                 }
             ),
             flush=True,

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, TypeVar
@@ -260,8 +261,12 @@ class PeerMetrics:
             raise TypeError(f"a sketch is at most {MAX_SKETCH} numbers")
 
 
-def publish_metrics(dht: hivemind.DHT, run: str, metrics: PeerMetrics) -> bool:
-    return _store_own(dht, metrics_key(run), metrics)
+def publish_metrics(
+    dht: hivemind.DHT, run: str, metrics: PeerMetrics, *, wait: bool = True
+) -> bool:
+    """Store ``metrics``; ``wait=False`` hands the write to the DHT and returns at once (a
+    training loop over a slow link must not wait seconds for it; a failure is logged)."""
+    return _store_own(dht, metrics_key(run), metrics, wait=wait)
 
 
 def read_metrics(dht: hivemind.DHT, run: str) -> list[PeerMetrics]:
@@ -314,14 +319,28 @@ def read_status(dht: hivemind.DHT, run: str) -> RunStatus | None:
     return max(statuses, key=lambda s: s.time) if statuses else None
 
 
-def _store_own(dht: hivemind.DHT, key: str, record: Any) -> bool:
+def _store_own(dht: hivemind.DHT, key: str, record: Any, wait: bool = True) -> bool:
     """Store a dataclass under this peer's owner subkey: hivemind signs it, and peers'
     validators refuse it if anyone else rewrites it."""
-    return bool(
-        dht.store(
-            key, dataclasses.asdict(record), get_dht_time() + METRICS_TTL_S, subkey=_owner_subkey()
-        )
+    stored = dht.store(
+        key,
+        dataclasses.asdict(record),
+        get_dht_time() + METRICS_TTL_S,
+        subkey=_owner_subkey(),
+        return_future=not wait,
     )
+    if wait:
+        return bool(stored)
+    stored.add_done_callback(partial(_say_if_not_stored, key))
+    return True
+
+
+def _say_if_not_stored(key: str, stored: Any) -> None:
+    try:
+        if not stored.result():
+            log.warning("no DHT node stored %s", key)
+    except Exception as exc:  # the DHT shut down, a timeout: the next write may do
+        log.warning("could not store %s: %s", key, exc)
 
 
 def _read_all(dht: hivemind.DHT, key: str, cls: type[T]) -> list[T]:

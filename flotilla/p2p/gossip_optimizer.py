@@ -6,10 +6,11 @@ It shows the volunteer's loop the face of the run's hivemind optimizer (``step``
 ``zero_grad``, ``local_epoch``, ``averaged_epochs``, ``leave``...), so one loop trains
 both. An epoch is ``target_batch_size`` samples over the swarm, as in group runs: each
 peer gossips after ``target_batch_size / members`` of its own. ``sync`` waits for the
-epoch's mixing before the next local step; ``async`` is delayed averaging: the epoch's
-shares travel while the next epoch computes, and are collected one epoch later (staleness
-one epoch). The optimizer's own state (Adam's moments) stays local; mixing changes the
-parameters only.
+epoch's mixing before the next local step; ``async`` is delayed averaging that never waits:
+an epoch's shares travel while the next epochs compute, and a new gossip step starts at
+the first epoch end after the last one ended (one step in flight; a share is as stale as
+its trip is long, bounded by twice ``gossip_wait``). The optimizer's own state (Adam's
+moments) stays local; mixing changes the parameters only.
 
 Neighbours are the peers that published metrics for the run in the last
 :data:`~flotilla.p2p.dht.ONLINE_S` seconds, read from the DHT at most every
@@ -26,7 +27,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -66,23 +67,39 @@ def local_optimizer(record: RunRecord) -> Any:
 
 class Membership:
     """The run's current members (base58 peer ids, this peer among them), as the gossip
-    graph wants them: a cached tuple, read from the peers' metrics in the DHT."""
+    graph wants them: a cached tuple, read from the peers' metrics in the DHT on a thread of
+    its own (a DHT read over a slow link takes seconds: the training thread never waits
+    for one)."""
 
-    def __init__(self, dht: hivemind.DHT, run: str) -> None:
+    def __init__(self, dht: hivemind.DHT, run: str, background: ThreadPoolExecutor) -> None:
+        """``background``: where reads run (a thread the training thread does not wait on)."""
         self._dht, self._run, self.me = dht, run, str(dht.peer_id)
         self._members: tuple[str, ...] = (self.me,)
         self._read_at = -math.inf
+        self._reader = background
+        self._reading: Future[None] | None = None
         #: The highest epoch another member reported at the last read.
         self.epoch = 0
 
     def __call__(self) -> tuple[str, ...]:
         return self._members
 
+    def read(self) -> None:
+        """Read the members now, and wait for it (a peer's start)."""
+        self._read_at = time.monotonic()
+        self._read()
+
     def refresh(self, force: bool = False) -> None:
-        """Read the members again (the training thread's call: it blocks on the DHT)."""
+        """Read the members again in the background, at most every
+        :data:`MEMBERS_EVERY_S` unless ``force``; one read at a time."""
+        if self._reading is not None and not self._reading.done():
+            return
         if not force and time.monotonic() - self._read_at < MEMBERS_EVERY_S:
             return
         self._read_at = time.monotonic()
+        self._reading = self._reader.submit(self._read)
+
+    def _read(self) -> None:
         try:
             metrics = read_metrics(self._dht, self._run)
         except Exception as exc:  # a DHT hiccup: keep the members we had
@@ -113,8 +130,10 @@ class GossipOptimizer:
         params = [p for p in model.parameters() if p.requires_grad]
         self._opt = local_optimizer(record)(params)
         self._dht = dht
-        self.members = Membership(dht, record.run)
-        self.members.refresh(force=True)
+        #: DHT reads and sketches: off the training thread.
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="gossip-background")
+        self.members = Membership(dht, record.run, self._background)
+        self.members.read()
         self._joining = self.members.epoch > 0
         #: The gossip step this peer is at: every member counts the same epochs.
         self.local_epoch = self.members.epoch
@@ -160,13 +179,17 @@ class GossipOptimizer:
         with self._runner.lock:
             yield
 
-    def sketch(self) -> list[float]:
-        """The parameters' sketch for this peer's metrics, at most :data:`SKETCH_EVERY_S`
-        old; read without holding off mixing (a mix meanwhile blurs one estimate)."""
-        if time.monotonic() - self._sketched_at >= SKETCH_EVERY_S or self._sketch is None:
-            self._sketch = sketch(self._params, seed=self._record.seed)
+    def sketch(self) -> list[float] | None:
+        """The parameters' last sketch for this peer's metrics (None before the first);
+        drawn every :data:`SKETCH_EVERY_S` in the background, reading the parameters
+        without holding off training or mixing (either meanwhile blurs one estimate)."""
+        if time.monotonic() - self._sketched_at >= SKETCH_EVERY_S:
             self._sketched_at = time.monotonic()
+            self._background.submit(self._draw_sketch)
         return self._sketch
+
+    def _draw_sketch(self) -> None:
+        self._sketch = sketch(self._params, seed=self._record.seed)
 
     def neighbours(self) -> list[str]:
         """The peers this one mixed with at its last gossip step (sent a share one took,
@@ -240,13 +263,25 @@ class GossipOptimizer:
         self._strangers = strangers
         if self.members.epoch > self.local_epoch + 1:  # fell behind: sync pairs by epoch
             self.local_epoch = self.members.epoch
+        if self._record.gossip_mode == "async":
+            self._gossip_async()
+            return
         started = self._runner.step(self.local_epoch)
         self.local_epoch += 1
-        due: Future[StepReport] | None = started
-        if self._record.gossip_mode == "async":  # delayed: collect the last epoch's now
-            due, self._pending = self._pending, started
-        if due is not None:
-            self._collect(due)
+        self._collect(started)
+
+    def _gossip_async(self) -> None:
+        """Delayed averaging that never waits for the link: a step starts only once the
+        last one has ended (its shares answered or given up); until then epochs train on
+        unmixed, so a slow link lowers how often a peer mixes, never how fast it trains."""
+        last = self._pending
+        if last is not None and not last.done():
+            self.local_epoch += 1
+            return
+        if last is not None:
+            self._collect(last)
+        self._pending = self._runner.step(self.local_epoch)
+        self.local_epoch += 1
 
     def _collect(self, future: Future[StepReport]) -> None:
         """Wait for a gossip step (it ends within the record's wait) and count it."""
@@ -276,5 +311,6 @@ class GossipOptimizer:
         """Say goodbye (the others stop sending to this peer at their next read), stop."""
         if not self._closed.is_set():
             self._closed.set()
+            self._background.shutdown(wait=False, cancel_futures=True)
             self._announce(leaving=True)
             self._runner.close(close_s=Timeouts().swarm_leave_s / 2)

@@ -70,6 +70,8 @@ class VolunteerReport:
     averaged_epochs: int = 0
     #: Mean training loss of this peer's steps in each epoch it trained in.
     epoch_losses: dict[int, float] = field(default_factory=dict)
+    #: Seconds from joining to this peer's first step in each epoch (a stall shows as a gap).
+    epoch_started: dict[int, float] = field(default_factory=dict)
 
 
 def check_task(record: RunRecord, entrypoint: str) -> Any:
@@ -176,6 +178,7 @@ def _train(
     sums: dict[int, list[float]] = {}
     last_report = 0.0
     started, samples_at_start = time.monotonic(), 0
+    joined = started
     while not stop.is_set():
         if (
             options.max_epochs is not None
@@ -183,6 +186,7 @@ def _train(
         ):
             break
         epoch = opt.local_epoch
+        report.epoch_started.setdefault(epoch, round(time.monotonic() - joined, 3))
         x, y = next(batches)
         with opt.computing():  # a gossip run mixes the parameters in place meanwhile
             loss = task.loss(model, x, y)
@@ -204,7 +208,7 @@ def _train(
             report.epoch_losses = {e: s / n for e, (s, n) in sums.items() if n}
             _report(
                 dht, options.run, report, opt.local_epoch, rate,
-                sketch=opt.sketch(), neighbours=opt.neighbours(),
+                sketch=opt.sketch(), neighbours=opt.neighbours(), wait=False,
             )  # fmt: skip
             last_report = now
     report.epoch_losses = {e: s / n for e, (s, n) in sums.items() if n}
@@ -252,7 +256,10 @@ def _report(
     auxiliary: bool = False,
     sketch: list[float] | None = None,
     neighbours: list[str] | None = None,
+    wait: bool = True,
 ) -> None:
+    """Publish this peer's metrics; ``wait=False`` from the training loop, which must not
+    wait for the DHT."""
     recent = sorted(report.epoch_losses)[-EPOCHS_REPORTED:]
     current = report.epoch_losses.get(epoch) or (
         report.epoch_losses[recent[-1]] if recent else None
@@ -271,6 +278,6 @@ def _report(
         neighbours=neighbours,
     )
     try:
-        publish_metrics(dht, run, metrics)
+        publish_metrics(dht, run, metrics, wait=wait)
     except Exception as exc:  # a metrics write must never stop training
         log.warning("could not publish metrics: %s", exc)

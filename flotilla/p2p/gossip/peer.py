@@ -2,11 +2,11 @@
 
 A step sends this peer's share to its out-neighbours (the graph at that step over the
 current members), setting its weight aside, and waits for their answers at most ``wait_s``
-from the step's start; an answer that comes later is settled when it comes (the
-transport's own time limit bounds it), so a slow link costs no mass. In ``sync`` mode it
-also waits, at most half of ``wait_s``, for the shares its in-neighbours send at the same
-step and mixes them then, so both sides of every edge mix the same step while links
-deliver; in ``async`` mode a share is mixed the moment it arrives, whatever step either
+from the step's start (``sync``: half of it); an answer that comes later is settled when it
+comes (the transport's own time limit bounds it), so a slow link costs no mass. In ``sync``
+mode it also waits, at most half of ``wait_s``, for the shares its in-neighbours send at
+the same step and mixes them then, so both sides of every edge mix the same step while
+links deliver; in ``async`` mode a share is mixed the moment it arrives, whatever step either
 side is at. A share for a step this peer has passed is mixed at once in both modes. One
 for a step it has not reached is held until it gets there, for as long as the share's
 sender said it can wait (``hold_s``, its own wait less a margin for the answer's way
@@ -205,8 +205,11 @@ class GossipPeer:
         self._mix_early(step)
         if self._mode == "sync":
             await self._await_neighbours(members, step, began + self._wait_s / 2)
-        if sends:  # a receiver answers within the hold it was given
-            remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+        if sends:  # answers that come later are settled when they come
+            # sync: a step lasts at most half a wait, as its in-neighbours' (its answers
+            # are not needed to mix); async: a step runs beside training, its answers in.
+            until = began + self._wait_s / 2 if self._mode == "sync" else deadline
+            remaining = max(0.0, until - asyncio.get_running_loop().time())
             await asyncio.wait(sends.values(), timeout=remaining)
         taken_by = tuple(
             p for p, sent in sends.items()
