@@ -268,6 +268,10 @@ def test_a_coordinator_fetches_members_states_and_serves_its_checkpoint(
         gone.shutdown()
         with pytest.raises(Unreachable):
             service.fetch(gone_id, timeout_s=5)
+        # Fetched at once: each peer's state, or why not.
+        both = service.fetch_all([str(member.peer_id), gone_id], timeout_s=5)
+        assert isinstance(both[0], GossipShare) and both[0].step == 7
+        assert isinstance(both[1], Unreachable)
     finally:
         other.close(close_s=5)
         service.close(close_s=5)

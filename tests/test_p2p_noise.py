@@ -93,3 +93,29 @@ def test_abandoned_hivemind_tasks_are_dropped_and_others_kept() -> None:
     )  # fmt: skip
     assert retried.filter(record)
     assert (record.levelno, record.exc_info) == (logging.WARNING, None)
+
+
+def test_delayed_averagings_hivemind_noise_is_one_warning_line() -> None:
+    """Delayed gradient averaging meets two of hivemind's errors in a healthy run: the
+    zero-weight round of a peer that is behind, and a stream handler its daemon client ran
+    twice; each becomes a WARNING line. Another asyncio callback error stays an ERROR."""
+    from flotilla.p2p.noise import FailedRounds, HandoverRaces
+
+    failed = RuntimeError("Unable to run All-Reduce: all-reduce incomplete")
+    record = _exception_record(
+        "hivemind.optim.optimizer", "_tag_along_with_zero_weight", str(failed), failed
+    )
+    assert FailedRounds().filter(record)
+    assert (record.levelno, record.exc_info) == (logging.WARNING, None)
+
+    races = HandoverRaces()
+    twice = RuntimeError("cannot reuse already awaited coroutine")
+    record = _exception_record(
+        "asyncio", "call_exception_handler", "Unhandled exception in client_connected_cb", twice
+    )
+    assert races.filter(record) and record.levelno == logging.WARNING and not record.exc_info
+    other = _exception_record(
+        "asyncio", "call_exception_handler", "Unhandled exception in client_connected_cb",
+        ValueError("boom"),
+    )  # fmt: skip
+    assert races.filter(other) and other.levelno == logging.ERROR and other.exc_info

@@ -55,8 +55,9 @@ def test_the_signed_record_matches_its_schemas_and_verifies_as_the_page_says() -
     "change",
     [
         {"compression": "gzip"},
-        {"schema": 3},
+        {"schema": 4},
         {"shards": 0},
+        {"delayed_averaging": "yes"},
         {"extra": 1},
         {"run": "a b"},
         {"averaging": "flood"},

@@ -155,8 +155,14 @@ def test_records_of_unknown_fields_or_schema_are_refused() -> None:
         RunRecord.from_dict({**data, "surprise": 1})
     with pytest.raises(RunRecordError, match="schema 1"):  # before gossip runs
         RunRecord.from_dict({**data, "schema": 1})
-    with pytest.raises(RunRecordError, match="schema 3"):
-        RunRecord.from_dict({**data, "schema": 3})
+    with pytest.raises(RunRecordError, match="schema 4"):
+        RunRecord.from_dict({**data, "schema": 4})
+    # A record of schema 2 (before delayed averaging) is read, its new field defaulted.
+    older = {k: v for k, v in data.items() if k != "delayed_averaging"}
+    read = RunRecord.from_dict({**older, "schema": 2})
+    assert read.schema == 2 and read.delayed_averaging is False
+    with pytest.raises(ValueError, match="delayed_averaging is for runs averaging gradients"):
+        _record(averaging="gossip", delayed_averaging=True)
     with pytest.raises(ValueError, match="unbounded"):
         _record(averaging_timeout=0)
     with pytest.raises(ValueError, match="compression"):

@@ -520,6 +520,29 @@ def test_a_plain_hivemind_peer_averages_in_a_run_open_to_it_and_its_loss_falls(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_delayed_averaging_averages_gradients_while_the_next_epoch_computes(
+    peers: Peers, tmp_path: Path
+) -> None:
+    """``coordinate --delayed-averaging``: a verified gradient run whose rounds run beside
+    the next epoch's compute (hivemind's delayed gradient averaging): peers still average
+    whole rounds, and learn."""
+    run = "delayed"
+    maddr = _coordinate(peers, run, tmp_path / "coord", "--delayed-averaging")
+    assert json.loads((tmp_path / "coord" / "record.json").read_text())["delayed_averaging"]
+    volunteers = [_volunteer(peers, f"v{i}", run, maddr, "--max-epochs", "10") for i in range(2)]
+    for i, proc in enumerate(volunteers):
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, peers.log(f"v{i}")[-3000:]
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["averaged_epochs"] >= 2, (report, peers.log(f"v{i}")[-3000:])
+        losses = [report["epoch_losses"][k] for k in sorted(report["epoch_losses"], key=int)]
+        assert losses[-1] < losses[0] - 0.2, losses
+        noisy = [line for line in peers.log(f"v{i}").splitlines() if "ERROR" in line]
+        assert not noisy, peers.log(f"v{i}")[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_gossip_run_mixes_volunteers_and_a_late_one_joins_light(
     peers: Peers, tmp_path: Path, mode: str

@@ -58,7 +58,13 @@ def add_volunteer_parser(commands: Any) -> None:
         "--gossip-mode",
         choices=("sync", "async"),
         default="sync",
-        help="async: an epoch's shares travel while the next computes",
+        help="async: shares travel while the next epochs compute (training never waits)",
+    )
+    coord.add_argument(
+        "--delayed-averaging",
+        action="store_true",
+        help="gradient averaging: average an epoch's gradients while the next computes "
+        "(applied one epoch late)",
     )
     coord.add_argument(
         "--gossip-wait", type=float, default=10.0, help="a gossip step's longest wait (s)"
@@ -172,6 +178,7 @@ def _coordinate(args: argparse.Namespace) -> int:
         "gossip_topology": args.gossip_topology,
         "gossip_mode": args.gossip_mode,
         "gossip_wait": args.gossip_wait,
+        "delayed_averaging": args.delayed_averaging,
     }
     coordinator = Coordinator(
         CoordinatorOptions(

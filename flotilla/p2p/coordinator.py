@@ -3,8 +3,9 @@
 It signs and publishes the run record (re-published before it expires), merges the peers'
 signed metrics into a global loss per epoch, publishes the run's status for
 ``flotilla volunteer status``, and keeps the shared model on disk: every
-``checkpoint_every`` epochs it downloads the newest state from a volunteer and writes it
-to ``STATE_DIR/checkpoint.safetensors``. It also shares that state, so when every
+``checkpoint_every`` epochs it downloads the newest state from a volunteer (a gossip run:
+the weighted mean of its most advanced members' states) and writes it to
+``STATE_DIR/checkpoint.safetensors``. It also shares that state, so when every
 volunteer has left, the next ones resume from the last checkpoint rather than from scratch;
 a restarted coordinator loads it back (and its record, so the run keeps its identity).
 ``coordinator.json`` (multiaddrs, key) and ``status.json`` in the state directory let a
@@ -255,11 +256,14 @@ class Coordinator:
             key=lambda m: -m.epoch,
         )[:CHECKPOINT_PEERS]
         states: list[GossipShare] = []
-        for m in members:
-            try:
-                states.append(self._states.fetch(m.peer, self.record.load_state_timeout))
-            except FlotillaError as exc:  # left, or not serving yet: the others will do
-                log.info("no state from %s for the checkpoint: %s", m.peer, exc)
+        fetched = self._states.fetch_all([m.peer for m in members], self.record.load_state_timeout)
+        for m, state in zip(members, fetched, strict=True):
+            if isinstance(state, GossipShare):
+                states.append(state)
+            elif isinstance(state, FlotillaError):  # left, or not serving yet: others will do
+                log.info("no state from %s for the checkpoint: %s", m.peer, state)
+            else:  # a bug, not a peer's doing: say so, and checkpoint from the others
+                log.warning("fetching %s's state failed: %r", m.peer, state)
         if not states:
             return
         mean = mean_state(states)

@@ -9,9 +9,10 @@ hivemind 1.1.12 logs two ordinary events as an ERROR with a full traceback:
   was out of step): the optimizer goes on with local gradients, and flotilla counts the
   epochs it did average.
 
-Both become one WARNING line without the traceback, and so does the optimizer's retried
-state download; matchmaking tasks hivemind abandons are not reported as destroyed. Every
-other record passes untouched.
+Both become one WARNING line without the traceback, and so do the optimizer's retried
+state download, the zero-weight round of a peer that is behind, and a stream handler
+hivemind's daemon client ran twice (seen with delayed averaging); matchmaking tasks
+hivemind abandons are not reported as destroyed. Every other record passes untouched.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import re
 
 #: The hivemind logger that reports failed state downloads and rounds (hivemind 1.1.12).
 AVERAGER_LOGGER = "hivemind.averaging.averager"
-#: Where hivemind's averager logs a round it gave up on (its step, and the all-reduce).
-ROUND_FUNCTIONS = frozenset({"_step", "_aggregate_with_group"})
+#: Where hivemind logs a round it gave up on (its averager's step and all-reduce, and the
+#: optimizer's zero-weight round of a peer that is behind, which delayed averaging meets).
+ROUND_FUNCTIONS = frozenset({"_step", "_aggregate_with_group", "_tag_along_with_zero_weight"})
 
 
 def _plain(record: logging.LogRecord, message: str) -> None:
@@ -78,6 +80,21 @@ class RetriedDownloads(logging.Filter):
         return True
 
 
+class HandoverRaces(logging.Filter):
+    """With delayed gradient averaging, hivemind's daemon client sometimes runs a stream
+    handler's coroutine twice ("Unhandled exception in client_connected_cb: cannot reuse
+    already awaited coroutine"); the stream is dropped and its round retried or reverted.
+    That becomes one WARNING line without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.getMessage().startswith("Unhandled exception in client_connected_cb") and (
+            isinstance(exc, RuntimeError) and "cannot reuse already awaited coroutine" in str(exc)
+        ):
+            _plain(record, "a libp2p stream hivemind's daemon client handed over twice was dropped")
+        return True
+
+
 class AbandonedTasks(logging.Filter):
     """hivemind starts matchmaking requests as tasks it keeps no reference to; when one is
     cancelled (its group formed or the averager stops) and collected before it finishes,
@@ -100,8 +117,10 @@ FILTERS: tuple[tuple[str, type[logging.Filter]], ...] = (
     (AVERAGER_LOGGER, DepartedPeers),
     (AVERAGER_LOGGER, FailedRounds),
     ("hivemind.optim.optimizer", RetriedDownloads),
+    ("hivemind.optim.optimizer", FailedRounds),
     ("hivemind.utils.asyncio", AbandonedTasks),
     ("asyncio", AbandonedTasks),
+    ("asyncio", HandoverRaces),
 )
 
 

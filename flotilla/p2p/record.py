@@ -25,7 +25,10 @@ from flotilla.p2p.codecs import COMPRESSION_NAMES
 
 #: Bumped when a field changes meaning; a volunteer refuses records of another schema.
 #: 2: ``averaging = "gossip"`` and the ``gossip_*`` fields.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+#: Schemas this flotilla reads: an older record lacks only fields added since, which take
+#: their defaults (schema 2 had no ``delayed_averaging``).
+READABLE_SCHEMAS = (2, 3)
 #: How gossip peers pick their neighbours (flotilla.p2p.gossip.graph) and mix.
 GOSSIP_TOPOLOGIES = ("exponential", "ring", "random")
 GOSSIP_MODES = ("sync", "async")
@@ -81,6 +84,11 @@ class RunRecord:
     gossip_topology: str = "exponential"
     gossip_mode: str = "sync"
     gossip_wait: float = 10.0
+    #: Group runs averaging gradients: Bagua's communication delay (hivemind's delayed
+    #: gradient averaging and optimizer step): an epoch's gradients are averaged while the
+    #: next epoch computes, and applied one epoch late (staleness one epoch). State runs
+    #: average in the background already; gossip runs delay with ``gossip_mode = "async"``.
+    delayed_averaging: bool = False
     schema: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -98,6 +106,11 @@ class RunRecord:
             )
         if self.gossip_mode not in GOSSIP_MODES:
             raise SpecError(f"gossip_mode {self.gossip_mode!r} is not one of {GOSSIP_MODES}")
+        if self.delayed_averaging and self.averaging != "gradients":
+            raise SpecError(
+                "delayed_averaging is for runs averaging gradients: state averaging runs in "
+                "the background already, and a gossip run delays with gossip_mode async"
+            )
         if self.target_batch_size < 1 or self.batch_size < 1 or self.shards < 1:
             raise SpecError("target_batch_size, batch_size and shards must be >= 1")
         timeouts = (
@@ -128,9 +141,10 @@ class RunRecord:
         unknown = sorted(set(data) - known)
         if unknown:
             raise RunRecordError(f"run record has unknown fields {unknown} (a newer flotilla?)")
-        if data.get("schema") != SCHEMA_VERSION:
+        if data.get("schema") not in READABLE_SCHEMAS:
             raise RunRecordError(
-                f"run record schema {data.get('schema')!r}; this flotilla reads {SCHEMA_VERSION}"
+                f"run record schema {data.get('schema')!r}; this flotilla reads "
+                f"{', '.join(map(str, READABLE_SCHEMAS))}"
             )
         try:
             return cls(**data)

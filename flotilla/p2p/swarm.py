@@ -173,6 +173,9 @@ def make_optimizer(
         if gradients
         else None,
         state_averaging_compression=compression,
+        # Bagua's communication delay: the round runs beside the next epoch's compute.
+        delay_grad_averaging=record.delayed_averaging,
+        delay_optimizer_step=record.delayed_averaging,
         tracker_opts=dict(TRACKER_OPTS),
         # hivemind warns (and may deadlock) when a request may outlive matchmaking.
         averager_opts={"request_timeout": min(3.0, record.matchmaking_time / 2)},

@@ -141,6 +141,27 @@ class StateService:
         """``peer``'s state (:func:`fetch_state`), within ``timeout_s`` or Unreachable."""
         return fetch_from_thread(self._loop, self._p2p, self._swarm, peer, self._shapes, timeout_s)
 
+    def fetch_all(self, peers: Sequence[str], timeout_s: float) -> list[GossipShare | Exception]:
+        """Each of ``peers``' states, fetched at once (over a slow link one takes seconds),
+        or why not, within ``timeout_s``."""
+
+        async def one(peer: str) -> GossipShare:
+            fetch = fetch_state(self._p2p, self._swarm, peer, self._shapes, timeout_s)
+            try:
+                return await asyncio.wait_for(fetch, timeout_s)
+            except asyncio.TimeoutError:
+                raise Unreachable(f"{peer} served no state within {timeout_s:.0f} s") from None
+
+        async def every() -> list[GossipShare | Exception]:
+            return list(await asyncio.gather(*(one(p) for p in peers), return_exceptions=True))
+
+        future = asyncio.run_coroutine_threadsafe(every(), self._loop)
+        try:
+            return future.result(timeout=timeout_s + 1.0)
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            future.cancel()
+            return [Unreachable(f"{p} served no state within {timeout_s:.0f} s") for p in peers]
+
     def close(self, close_s: float) -> None:
         if not self._thread.is_alive():
             return
