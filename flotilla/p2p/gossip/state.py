@@ -153,7 +153,11 @@ class StateService:
                 raise Unreachable(f"{peer} served no state within {timeout_s:.0f} s") from None
 
         async def every() -> list[GossipShare | Exception]:
-            return list(await asyncio.gather(*(one(p) for p in peers), return_exceptions=True))
+            got = await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
+            # a cancellation (the service closing) counts as no answer
+            return [
+                g if isinstance(g, GossipShare | Exception) else Unreachable(repr(g)) for g in got
+            ]
 
         future = asyncio.run_coroutine_threadsafe(every(), self._loop)
         try:
