@@ -372,12 +372,13 @@ def _plot(results: list[dict[str, Any]], path: Path, target: float) -> None:
     links = sorted({r["link"] for r in results})
     fig, axes = plt.subplots(1, len(links), figsize=(7 * len(links), 4.5), squeeze=False)
     for ax, link in zip(axes[0], links, strict=True):
-        for r in (r for r in results if r["link"] == link):
+        for n, r in enumerate(r for r in results if r["link"] == link):
+            color = f"C{n % 10}"  # a configuration's runs (none: one per volunteer) alike
             for i, curve in enumerate(r["val_loss_curves"]):
                 if curve:
                     xs, ys = zip(*curve, strict=True)
                     label = r["config"] if i == 0 else None
-                    ax.plot(xs, ys, label=label, alpha=0.9 if i == 0 else 0.4)
+                    ax.plot(xs, ys, color=color, label=label, alpha=0.9 if i == 0 else 0.35)
         ax.axhline(target, color="grey", linestyle=":", label=f"target {target}")
         ax.set_title(f"char LM, 4 volunteers, {link} link")
         ax.set_xlabel("wall time since all joined (s)")
