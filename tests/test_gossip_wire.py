@@ -242,11 +242,14 @@ def test_a_coordinator_fetches_members_states_and_serves_its_checkpoint(
         for got, want in zip(state.tensors, model, strict=True):
             assert torch.equal(got, want)
 
-        heavier = GossipShare(9, 2.25, tuple(2 * t for t in model))
-        mean = mean_state([state, heavier])  # (0.75 z + 2.25 * 2z) / 3 = 1.75 z
+        lighter = GossipShare(9, 0.25, tuple(2 * t for t in model))
+        mean = mean_state([state, lighter])  # (0.75 z + 0.25 * 2z) / 1 = 1.25 z
         assert (mean.step, mean.weight) == (9, 1.0)
         for got, want in zip(mean.tensors, model, strict=True):
-            assert torch.allclose(got, 1.75 * want)
+            assert torch.allclose(got, 1.25 * want)
+        # A state claiming more than one peer's weight counts as one: (0.75 z + 2z) / 1.75
+        boastful = mean_state([state, GossipShare(9, 1e9, tuple(2 * t for t in model))])
+        assert torch.allclose(boastful.tensors[0], (2.75 / 1.75) * model[0])
 
         with pytest.raises(WireError, match="no state"):
             runner.fetch_state(str(coordinator.peer_id), timeout_s=20)
@@ -254,7 +257,7 @@ def test_a_coordinator_fetches_members_states_and_serves_its_checkpoint(
         resumed = runner.fetch_state(str(coordinator.peer_id), timeout_s=20)
         assert resumed.step == 12
         runner.restore(resumed)
-        assert runner.weight == 1.0 and torch.allclose(model[0], 1.75 * _model(0)[0])
+        assert runner.weight == 1.0 and torch.allclose(model[0], 1.25 * _model(0)[0])
 
         other.offer(GossipShare(1, 1.0, (torch.ones(3),)))  # a model of other shapes
         wrong = StateService(coordinator, "othermodel", SHAPES).start(start_s=30)

@@ -189,7 +189,10 @@ class GossipOptimizer:
         return self._sketch
 
     def _draw_sketch(self) -> None:
-        self._sketch = sketch(self._params, seed=self._record.seed)
+        try:
+            self._sketch = sketch(self._params, seed=self._record.seed)
+        except Exception as exc:  # a sketch is for status only: say so, train on
+            log.warning("could not sketch the parameters: %r", exc)
 
     def neighbours(self) -> list[str]:
         """The peers this one mixed with at its last gossip step (sent a share one took,

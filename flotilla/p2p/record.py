@@ -106,6 +106,8 @@ class RunRecord:
             )
         if self.gossip_mode not in GOSSIP_MODES:
             raise SpecError(f"gossip_mode {self.gossip_mode!r} is not one of {GOSSIP_MODES}")
+        if not all(isinstance(v, bool) for v in (self.verified_averaging, self.delayed_averaging)):
+            raise SpecError("verified_averaging and delayed_averaging are true or false")
         if self.delayed_averaging and self.averaging != "gradients":
             raise SpecError(
                 "delayed_averaging is for runs averaging gradients: state averaging runs in "

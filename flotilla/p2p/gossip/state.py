@@ -31,6 +31,9 @@ from flotilla.p2p.gossip.wire import read_share, share_messages
 
 log = logging.getLogger(__name__)
 
+#: The most a served state's weight counts in a checkpoint's mean (one peer's start).
+MAX_STATE_WEIGHT = 1.0
+
 
 def state_handler_name(swarm: str) -> str:
     return f"{swarm}::gossip_state"
@@ -103,10 +106,13 @@ def fetch_from_thread(
 
 def mean_state(states: Sequence[GossipShare]) -> GossipShare:
     """The push-sum network average of ``states`` (each z weighted by its weight), at the
-    newest epoch among them, with weight 1."""
-    total = sum(s.weight for s in states)
+    newest epoch among them, with weight 1. A state counts at most one peer's weight (1):
+    the weight is the serving peer's own word, and no member may outweigh the others by
+    claiming more (as a receiver of a share takes at most that much)."""
+    weights = [min(s.weight, MAX_STATE_WEIGHT) for s in states]
+    total = sum(weights)
     tensors = tuple(
-        sum((s.weight / total) * s.tensors[i].float() for s in states)
+        sum((w / total) * s.tensors[i].float() for w, s in zip(weights, states, strict=True))
         for i in range(len(states[0].tensors))
     )
     return GossipShare(max(s.step for s in states), 1.0, tensors)  # type: ignore[arg-type]
