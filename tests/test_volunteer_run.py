@@ -635,3 +635,36 @@ def test_a_gossip_run_checkpoints_names_neighbours_and_resumes_after_everyone_le
     assert report["first_epoch"] >= saved, (report, peers.log("late")[-3000:])
     assert f"resumed from the run's checkpoint of epoch {saved}" in peers.log("late")
     assert min(report["epoch_losses"].values()) < LEARNED_LOSS, report  # not a fresh model
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_gossip_example_in_the_docs_runs_as_written(
+    corpus_env: dict[str, str], tmp_path: Path
+) -> None:
+    """docs/p2p.md's gossip example, run by bash as a reader would: it ends by itself,
+    `status` answers, and both volunteers mix most of their 20 epochs."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "p2p.md").read_text()
+    start = page.index("flotilla volunteer coordinate --run docs-gossip")
+    script = page[start : page.index("```", start)]
+    env = {**corpus_env, "PATH": f"{Path(sys.executable).parent}:{corpus_env['PATH']}"}
+    proc = subprocess.Popen(
+        ["bash", "-c", script], cwd=tmp_path, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left behind
+    assert proc.returncode == 0, err[-3000:]
+    # Its status line (neighbours and consensus appear when it runs while they train:
+    # how fast 20 epochs go depends on the machine; test_a_gossip_run_checkpoints_names_
+    # neighbours... checks those fields).
+    assert "run docs-gossip: epoch " in out, out
+    reports = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(reports) == 2, out
+    for report in reports:
+        assert report["last_epoch"] - report["first_epoch"] == 20, report
+        assert report["averaged_epochs"] >= 10, report
+    assert "ERROR" not in err, err[-3000:]
