@@ -7,7 +7,8 @@ noisy machine hurts them alike), on two links:
 
 - ``loopback``: this machine's, 4 volunteers (2 in ``--quick``);
 - ``slow``: ``tests/support/netimpair.py``'s 100 ms each way, 1 % loss, 20 Mbit/s per host
-  (a coordinator and 4 volunteers, each in its own network namespace); group averaging at
+  (a coordinator and 4 volunteers, each in its own network namespace: root only; without
+  root, ``--links loopback``); group averaging at
   target batches 96, 512 and 2048 (matchmaking 8 s, as tests/test_p2p_slow_network.py),
   gossip sync and async at 96, and no averaging; then gossip-sync and group at its best
   target batch again with a volunteer killed (kill -9) every 30 s and a fresh one started
