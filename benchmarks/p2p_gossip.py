@@ -83,6 +83,12 @@ class Config:
     link: str  # loopback or slow
     kill_every_s: float | None = None
 
+    def runs(self, volunteers: int) -> list[str]:
+        """Its runs' names: one per volunteer in ``none`` (each trains alone), else one."""
+        if self.mode == "none":
+            return [f"{self.name}-{k}" for k in range(volunteers)]
+        return [self.name]
+
     def options(self) -> list[str]:
         # int8 on the slow link, for every mode: what such a link calls for (docs/p2p.md)
         codec = ["--compression", "int8" if self.link == "slow" else "none"]
@@ -166,11 +172,7 @@ def _run(workdir: Path, config: Config, volunteers: int, seconds: float, net: An
     hosts = Hosts(net)
     work = workdir / config.name
     work.mkdir(parents=True)
-    runs = (
-        [f"{config.name}-{k}" for k in range(volunteers)]
-        if config.mode == "none"
-        else [config.name]
-    )
+    runs = config.runs(volunteers)
     per_run = 1 if config.mode == "none" else volunteers
     procs: list[subprocess.Popen[str]] = []
     peers: list[tuple[int, subprocess.Popen[str], Path]] = []  # host, process, log
@@ -280,12 +282,16 @@ class Evaluator:
         self.task = CharLMTask()
         self.heldout = self.task.heldout()
         self._models: dict[int, Any] = {}
+        self._records: dict[Path, Any] = {}
 
     def loss(self, path: Path, state_dir: Path) -> float:
         from flotilla.p2p.record import RunRecord
         from flotilla.p2p.swarm import load_checkpoint
 
-        record = RunRecord.from_dict(json.loads((state_dir / "record.json").read_text()))
+        if state_dir not in self._records:  # one run's record, for all its checkpoints
+            saved = (state_dir / "record.json").read_text()
+            self._records[state_dir] = RunRecord.from_dict(json.loads(saved))
+        record = self._records[state_dir]
         if record.seed not in self._models:
             self._models[record.seed] = self.task.build_model(record.seed)
         model = self._models[record.seed]
@@ -512,27 +518,27 @@ def _floors(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return floors
 
 
-def _configs(quick: bool, slow: bool) -> tuple[list[Config], list[Config]]:
+def _configs(links: set[str]) -> tuple[list[Config], list[Config]]:
+    """The loopback and the slow link's configurations, for the links asked for."""
     loopback = [
         Config(f"loopback-{mode}", mode, 96, "loopback")
         for mode in ("group", "gossip-sync", "gossip-async", "none")
     ]
-    if quick or not slow:
-        return loopback, []
-    slow_configs = [
+    slow = [
         *(Config(f"slow-group-{tb}", "group", tb, "slow") for tb in (96, 512, 2048)),
         Config("slow-gossip-sync-96", "gossip-sync", 96, "slow"),
         Config("slow-gossip-async-96", "gossip-async", 96, "slow"),
         Config("slow-none-96", "none", 96, "slow"),
     ]
-    return loopback, slow_configs
+    return (
+        loopback if "loopback" in links else [],
+        slow if "slow" in links else [],
+    )
 
 
 @contextlib.contextmanager
-def _link(slow: bool, volunteers: int) -> Iterator[Any]:
-    if not slow:
-        yield None
-        return
+def _slow_link(volunteers: int) -> Iterator[Any]:
+    """A host for the coordinators and one per volunteer, on the impaired link."""
     from tests.support.netimpair import impaired_network
 
     with impaired_network(1 + volunteers, **SLOW_LINK) as net:
@@ -567,8 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         "slow": args.seconds or 120.0,
     }
     links = {"loopback"} if args.quick else set(args.links.split(","))
-    loopback, slow = _configs(args.quick, "slow" in links)
-    loopback = loopback if "loopback" in links else []
+    loopback, slow = _configs(links)
     if args.only:
         loopback = [c for c in loopback if args.only in c.name]
         slow = [c for c in slow if args.only in c.name]
@@ -579,12 +584,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def measure(config: Config, net: Any) -> dict[str, Any]:
             outcome = _run(workdir, config, volunteers, seconds[config.link], net)
-            runs = (
-                [f"{config.name}-{k}" for k in range(volunteers)]
-                if config.mode == "none"
-                else [config.name]
-            )
-            curves = _curves(outcome, workdir / config.name, runs, evaluator)
+            curves = _curves(outcome, workdir / config.name, config.runs(volunteers), evaluator)
             summary = _summary(config, outcome, curves, args.target_loss)
             brief = {
                 k: v
@@ -597,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         for config in loopback:
             results.append(measure(config, None))
         if slow:
-            with _link(True, volunteers) as net:
+            with _slow_link(volunteers) as net:
                 for config in slow:
                     results.append(measure(config, net))
                 # Churn: the best of each kind again, a volunteer killed every so often.

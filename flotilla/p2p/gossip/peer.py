@@ -239,6 +239,7 @@ class GossipPeer:
     async def _await_neighbours(self, members: Sequence[str], step: int, deadline: float) -> None:
         """Until every in-neighbour's share of ``step`` is mixed, or the deadline: they
         arrive through :meth:`receive`, which mixes them at once now the step is current."""
+        self._late &= set(members)  # those gone from the run need no more remembering
         expected = set(self.graph.in_neighbours(members, self.me, step)) - self._late
         loop = asyncio.get_running_loop()
         while not expected <= set(self._mixed_now) and loop.time() < deadline:

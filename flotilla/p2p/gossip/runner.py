@@ -24,7 +24,7 @@ from hivemind.compression import CompressionBase
 from flotilla.p2p.gossip.graph import Graph
 from flotilla.p2p.gossip.peer import GossipPeer, StepReport
 from flotilla.p2p.gossip.pushsum import GossipShare, PushSum
-from flotilla.p2p.gossip.state import fetch_from_thread, serve_state, state_handler_name
+from flotilla.p2p.gossip.state import fetch_one, serve_state, state_handler_name
 from flotilla.p2p.gossip.wire import LibP2PTransport, handler_name
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class GossipRunner:
         """``peer``'s state (a coordinator's checkpoint), within ``timeout_s`` or
         Unreachable; WireError when it serves none or a malformed one."""
         shapes = [t.shape for t in self._state.tensors]
-        return fetch_from_thread(self._loop, self._p2p, self._swarm, peer, shapes, timeout_s)
+        return fetch_one(self._loop, self._p2p, self._swarm, peer, shapes, timeout_s)
 
     def restore(self, state: GossipShare) -> None:
         """Start from ``state`` (a checkpoint): its parameters, and full weight."""

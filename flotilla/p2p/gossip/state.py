@@ -88,20 +88,51 @@ def fetch_from_thread(
     loop: asyncio.AbstractEventLoop,
     p2p: P2P,
     swarm: str,
-    peer: str,
+    peers: Sequence[str],
     shapes: Sequence[torch.Size],
     timeout_s: float,
-) -> GossipShare:
-    """:func:`fetch_state` on ``loop`` (which runs in another thread), for a caller outside
-    it: within ``timeout_s`` or Unreachable."""
-    future = asyncio.run_coroutine_threadsafe(
-        asyncio.wait_for(fetch_state(p2p, swarm, peer, shapes, timeout_s), timeout_s), loop
-    )
+) -> list[GossipShare | Exception]:
+    """:func:`fetch_state` from each of ``peers`` at once (over a slow link one takes
+    seconds), on ``loop`` (which runs in another thread), for a caller outside it: each
+    peer's state or why not (Unreachable past ``timeout_s``)."""
+
+    def late(peer: str) -> Unreachable:
+        return Unreachable(f"{peer} served no state within {timeout_s:.0f} s")
+
+    async def one(peer: str) -> GossipShare:
+        try:
+            return await asyncio.wait_for(
+                fetch_state(p2p, swarm, peer, shapes, timeout_s), timeout_s
+            )
+        except asyncio.TimeoutError:
+            raise late(peer) from None
+
+    async def every() -> list[GossipShare | Exception]:
+        got = await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
+        # a cancellation (the loop closing) counts as no answer
+        return [g if isinstance(g, GossipShare | Exception) else Unreachable(repr(g)) for g in got]
+
+    future = asyncio.run_coroutine_threadsafe(every(), loop)
     try:
         return future.result(timeout=timeout_s + 1.0)
     except (TimeoutError, concurrent.futures.TimeoutError):
         future.cancel()
-        raise Unreachable(f"{peer} served no state within {timeout_s:.0f} s") from None
+        return [late(p) for p in peers]
+
+
+def fetch_one(
+    loop: asyncio.AbstractEventLoop,
+    p2p: P2P,
+    swarm: str,
+    peer: str,
+    shapes: Sequence[torch.Size],
+    timeout_s: float,
+) -> GossipShare:
+    """:func:`fetch_from_thread` of one peer: its state, or the reason raised."""
+    (got,) = fetch_from_thread(loop, p2p, swarm, [peer], shapes, timeout_s)
+    if isinstance(got, Exception):
+        raise got
+    return got
 
 
 def mean_state(states: Sequence[GossipShare]) -> GossipShare:
@@ -145,32 +176,11 @@ class StateService:
 
     def fetch(self, peer: str, timeout_s: float) -> GossipShare:
         """``peer``'s state (:func:`fetch_state`), within ``timeout_s`` or Unreachable."""
-        return fetch_from_thread(self._loop, self._p2p, self._swarm, peer, self._shapes, timeout_s)
+        return fetch_one(self._loop, self._p2p, self._swarm, peer, self._shapes, timeout_s)
 
     def fetch_all(self, peers: Sequence[str], timeout_s: float) -> list[GossipShare | Exception]:
-        """Each of ``peers``' states, fetched at once (over a slow link one takes seconds),
-        or why not, within ``timeout_s``."""
-
-        async def one(peer: str) -> GossipShare:
-            fetch = fetch_state(self._p2p, self._swarm, peer, self._shapes, timeout_s)
-            try:
-                return await asyncio.wait_for(fetch, timeout_s)
-            except asyncio.TimeoutError:
-                raise Unreachable(f"{peer} served no state within {timeout_s:.0f} s") from None
-
-        async def every() -> list[GossipShare | Exception]:
-            got = await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
-            # a cancellation (the service closing) counts as no answer
-            return [
-                g if isinstance(g, GossipShare | Exception) else Unreachable(repr(g)) for g in got
-            ]
-
-        future = asyncio.run_coroutine_threadsafe(every(), self._loop)
-        try:
-            return future.result(timeout=timeout_s + 1.0)
-        except (TimeoutError, concurrent.futures.TimeoutError):
-            future.cancel()
-            return [Unreachable(f"{p} served no state within {timeout_s:.0f} s") for p in peers]
+        """Each of ``peers``' states, fetched at once, or why not, within ``timeout_s``."""
+        return fetch_from_thread(self._loop, self._p2p, self._swarm, peers, self._shapes, timeout_s)
 
     def close(self, close_s: float) -> None:
         if not self._thread.is_alive():
