@@ -277,6 +277,20 @@ def test_cleanup_on_normal_exit_and_on_exception() -> None:
         _check_gone(net.prefix, net.forwarder_pid, [sleeper])
 
 
+def _wait_until_inside(netns: str, pid: int, within: float = 10.0) -> None:
+    """Wait for ``pid`` to have entered ``netns``: ``ip netns exec`` takes a moment to
+    start, and a sweep before that finds the namespace empty."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        listed = subprocess.run(
+            bound(["ip", "netns", "pids", netns]), capture_output=True, text=True, timeout=10
+        )
+        if str(pid) in listed.stdout.split():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} never entered {netns}")
+
+
 @pytest.mark.timeout(60)
 def test_stale_namespaces_of_dead_runs_are_swept() -> None:
     """A namespace left by a dead creator is deleted (its processes killed); a live one is kept."""
@@ -292,6 +306,7 @@ def test_stale_namespaces_of_dead_runs_are_swept() -> None:
             bound(["ip", "netns", "exec", stale_ns, "sleep", "60"]),
             start_new_session=True,
         )
+        _wait_until_inside(stale_ns, leftover.pid)
         with impaired_network(1):
             assert stale_ns not in namespaces()
             assert live_ns in namespaces()

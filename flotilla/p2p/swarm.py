@@ -12,6 +12,7 @@ downloaded by late joiners travel uncompressed, so they start exactly where the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,11 @@ def make_optimizer(
     factory = local_optimizer(record)
     gradients = record.averaging == "gradients"
     verified = record.verified_averaging
+    # hivemind warns (and may deadlock) when a request may outlive matchmaking; its
+    # Optimizer hands averager_opts to the state averager only, so the gradient averager
+    # gets the same bound here.
+    averager_opts = {"request_timeout": min(3.0, record.matchmaking_time / 2)}
+    grad_averager = SafeGradientAverager if verified else PlainGradientAverager
     optimizer_class = VerifiedOptimizer if verified else CountingOptimizer
     return optimizer_class(
         dht=dht,
@@ -169,7 +175,7 @@ def make_optimizer(
         client_mode=dht.client_mode,
         auxiliary=auxiliary,
         grad_compression=compression,
-        grad_averager_factory=(SafeGradientAverager if verified else PlainGradientAverager)
+        grad_averager_factory=functools.partial(grad_averager, **averager_opts)
         if gradients
         else None,
         state_averaging_compression=compression,
@@ -177,8 +183,7 @@ def make_optimizer(
         delay_grad_averaging=record.delayed_averaging,
         delay_optimizer_step=record.delayed_averaging,
         tracker_opts=dict(TRACKER_OPTS),
-        # hivemind warns (and may deadlock) when a request may outlive matchmaking.
-        averager_opts={"request_timeout": min(3.0, record.matchmaking_time / 2)},
+        averager_opts=averager_opts,
         verbose=False,
         shutdown_timeout=Timeouts().swarm_shutdown_s if shutdown_s is None else shutdown_s,
     )

@@ -112,8 +112,11 @@ def _script(blocks: list[Block], progress: Path) -> str:
     return "\n".join(parts) + "\n"
 
 
-def run_page(page: Path, workdir: Path, block_timeout: float) -> DocRun:
-    """Write the page's files into ``workdir`` and run its shell blocks there, in order."""
+def run_page(
+    page: Path, workdir: Path, block_timeout: float, environ: dict[str, str] | None = None
+) -> DocRun:
+    """Write the page's files into ``workdir`` and run its shell blocks there, in order,
+    in ``environ`` (this process's environment by default)."""
     blocks = parse_blocks(page.read_text())
     for block in blocks:
         if block.file:
@@ -122,9 +125,10 @@ def run_page(page: Path, workdir: Path, block_timeout: float) -> DocRun:
     script = workdir / ".docrun.sh"
     script.write_text(_script(blocks, progress))
     log = workdir / ".docrun.log"
+    base = os.environ if environ is None else environ
     env = {
-        **os.environ,
-        "PATH": f"{_shims(workdir / '.docrun-bin')}{os.pathsep}{os.environ.get('PATH', '')}",
+        **base,
+        "PATH": f"{_shims(workdir / '.docrun-bin')}{os.pathsep}{base.get('PATH', '')}",
         "PYTHONPATH": str(REPO),
     }
     with log.open("w") as out:
