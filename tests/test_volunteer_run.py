@@ -530,11 +530,14 @@ def test_delayed_averaging_averages_gradients_while_the_next_epoch_computes(
     run = "delayed"
     # An epoch longer than matchmaking (2 s) and a round: with shorter ones hivemind's
     # pre-scheduled rounds pile up behind each other and find no group (docs/p2p.md).
+    # A lone peer's round (its partner not there yet) gives up after 6 s, not 15: the
+    # rounds scheduled behind it then meet the partner sooner.
     maddr = _coordinate(
-        peers, run, tmp_path / "coord", "--delayed-averaging", "--target-batch-size", "288"
-    )
+        peers, run, tmp_path / "coord", "--delayed-averaging", "--target-batch-size", "288",
+        "--averaging-timeout", "6",
+    )  # fmt: skip
     assert json.loads((tmp_path / "coord" / "record.json").read_text())["delayed_averaging"]
-    volunteers = [_volunteer(peers, f"v{i}", run, maddr, "--max-epochs", "6") for i in range(2)]
+    volunteers = [_volunteer(peers, f"v{i}", run, maddr, "--max-epochs", "8") for i in range(2)]
     for i, proc in enumerate(volunteers):
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, peers.log(f"v{i}")[-3000:]
