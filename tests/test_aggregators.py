@@ -18,9 +18,13 @@ from flotilla.aggregation import (
     DPFedAvg,
     FedBuff,
     FedBuffParams,
+    FoldsPartials,
+    MakesPartials,
+    PartialSum,
     RobustAggregator,
     SpoolLimits,
     make_aggregator,
+    merge_partials,
     strategy_info,
 )
 from flotilla.aggregation import robust as robust_mod
@@ -718,3 +722,76 @@ def test_params_classes_are_frozen_dataclasses() -> None:
         instance = cls()
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(instance, dataclasses.fields(cls)[0].name, 2.0)
+
+
+LINEAR = ("fedavg", "fedprox", "fedavgm", *FEDOPT, "dp_fedavg")
+
+
+@pytest.mark.parametrize(("name", "adaptive"), [*((n, False) for n in LINEAR), ("dp_fedavg", True)])
+def test_partial_sums_folded_elsewhere_equal_adding_each_update(
+    name: str, adaptive: bool, tmp_path: Path
+) -> None:
+    """What simulation workers do: each folds its slice with the strategy's own ``add``
+    and hands out a partial; the server's aggregator takes the merged partials. Two
+    rounds (server state such as moments and DP's clip norm carries over) end where
+    adding every update one by one ends, to float summation."""
+    rng = np.random.default_rng(5)
+    model = _model(rng)
+    params = {"adaptive_clip": True, "clip_norm": 3.0, "clip_count_stddev": 1.0} if adaptive else {}
+    direct, folded = (_make(name, model, tmp_path / side, **params) for side in "ab")
+    for round_no in (1, 2):
+        deltas = _deltas(model, rng, 7)
+        weights = [float(w) for w in rng.integers(5, 50, size=7)]
+        want = _round(direct, model, deltas, weights, round_no)
+        if isinstance(folded, DPFedAvg):
+            folded.check_budget(0.01)
+        folded.begin(round_no, model)
+        parts = []
+        assert isinstance(folded, FoldsPartials)
+        overrides = folded.fold_overrides()
+        for lo, hi in ((0, 3), (3, 7)):  # two workers' slices
+            worker = _make(name, model, tmp_path / f"w{lo}", **{**params, **overrides})
+            worker.begin(round_no, model)
+            for delta, weight in zip(deltas[lo:hi], weights[lo:hi], strict=True):
+                worker.add(delta, weight)
+            assert isinstance(worker, MakesPartials)
+            parts.append(worker.partial())
+        folded.add_partial(merge_partials(parts))
+        assert folded.count == 7 and folded.total_weight == pytest.approx(
+            direct_weight(name, weights)
+        )
+        got = folded.finalize()
+        assert _rel_err(got, want, model) < 1e-6
+        model = want
+
+
+def direct_weight(name: str, weights: list[float]) -> float:
+    """The total weight a round of ``weights`` holds (DP-FedAvg weighs every update 1)."""
+    return float(len(weights)) if name == "dp_fedavg" else sum(weights)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "dp_fedavg"])
+def test_a_partial_that_is_not_finite_or_empty_is_refused_and_changes_nothing(
+    name: str, tmp_path: Path
+) -> None:
+    rng = np.random.default_rng(6)
+    model = _model(rng)
+    agg = _make(name, model, tmp_path)
+    agg.begin(1, model)
+    assert isinstance(agg, FoldsPartials)
+    delta = _deltas(model, rng, 1)[0]
+    bad = {k: v.copy() for k, v in delta.items()}
+    bad["w"][0, 0] = np.nan
+    for partial in (PartialSum(bad, 1.0, 1), PartialSum(delta, 1.0, 0)):
+        with pytest.raises(UpdateRejected):
+            agg.add_partial(partial)
+    assert agg.count == 0 and agg.total_weight == 0.0
+
+
+def test_robust_rules_do_not_fold_partials(tmp_path: Path) -> None:
+    """Order statistics need every update: their aggregators offer no partials, so
+    simulation workers ship each delta to the parent."""
+    model = _model(np.random.default_rng(7))
+    for name in ROBUST:
+        agg = _make(name, model, tmp_path / name)
+        assert not isinstance(agg, FoldsPartials | MakesPartials), name

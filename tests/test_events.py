@@ -73,6 +73,7 @@ def test_backend_failure_texts_map_to_a_bounded_reason() -> None:
         "conditions: not charging": "conditions",
         "reported: network metered, unmetered required": "conditions",
         "dropped out": "dropped",
+        "refused: the update contains NaN or Inf": "refused",
         "something new": "dropped",
     }
     assert {text: failure_reason(text) for text in cases} == cases

@@ -6,6 +6,7 @@ import asyncio
 import csv
 import itertools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -582,16 +583,31 @@ def test_same_seed_same_metrics_and_another_seed_differs(tmp_path: Path) -> None
     assert a != c
 
 
-def test_two_workers_give_the_same_result_as_one(tmp_path: Path) -> None:
-    path = experiment_file(tmp_path, "\n[simulation]\nseed = 4\n")
+@pytest.mark.parametrize(
+    ("strategy", "folds"),
+    [("fedavg", True), ("fedprox", True), ("fedadam", True), ("fedavgm", True),
+     ("trimmed_mean", False)],
+)  # fmt: skip
+def test_two_workers_give_the_same_result_as_one(
+    tmp_path: Path, strategy: str, folds: bool
+) -> None:
+    """Linear strategies fold each worker's clients where they train and agree with one
+    process to float summation; a robust rule ships every delta as before, exactly."""
+    body = f'\n[aggregation]\nstrategy = "{strategy}"\n\n[simulation]\nseed = 4\n'
+    path = experiment_file(tmp_path, body)
     run_experiment(load_experiment(path), tmp_path / "one", progress=False)
     done = simulate(path, tmp_path / "two", "--devices", "cpu,cpu", "--json", "--no-progress")
-    assert "WorkerPoolTrainer" in json.dumps(json.loads(done.stdout)["trainer"])
+    (trainer,) = json.loads(done.stdout)["trainer"].values()
+    assert trainer.startswith("WorkerPoolTrainer"), trainer
+    folded, trained = (int(n) for n in re.findall(r"(\d+) of (\d+) clients folded", trainer)[0])
+    # Over-selection sends a few more devices than a round takes: those train unfolded.
+    assert (folded > trained / 2) if folds else folded == 0, trainer
     one, two = without_wall(rows(tmp_path / "one")), without_wall(rows(tmp_path / "two"))
     assert [r["participants"] for r in one] == [r["participants"] for r in two]
+    assert len(one) == 4
     for r1, r2 in zip(one, two, strict=True):
-        assert r2["accuracy"] == pytest.approx(r1["accuracy"], abs=1e-6)
-        assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-5)
+        assert r2["accuracy"] == pytest.approx(r1["accuracy"], abs=1e-6 if folds else 0)
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-5 if folds else 0)
 
 
 def test_two_jobs_share_the_population_one_job_per_device(tmp_path: Path) -> None:
@@ -747,6 +763,8 @@ import numpy as np, psutil
 from flotilla.core.spec import DataSection, TrainSection
 from flotilla.tasks import Shard
 from flotilla.tasks.digits import DigitsTask
+from flotilla.core.tensors import state_spec
+from flotilla.simulation.folding import FoldRequest, SliceFolder
 from flotilla.simulation.ray_workers import RayTrainer
 from flotilla.simulation.training import BatchedTrainer, ShardCache
 from flotilla.tasks import load_task, model_state
@@ -759,8 +777,12 @@ train = TrainSection(batch_size=16)
 model = model_state(task.build_model(0))
 clients = list(range(0, 200, 7))
 trainer = RayTrainer(NAME, shards, ["cpu", "cpu"])
+config = json.dumps({"train": {"batch_size": 16}, "data": {"params": {"augment": True}},
+                     "compression": {}})
+request = FoldRequest("job", 1, config, state_spec(model), 9, "fedavg", "{}")
 try:
     remote = trainer.train(model, clients, train, data, 5)
+    remote_fold = trainer.train_folded(model, clients, 5, request)
     me = psutil.Process()
     listeners = []
     for proc in [me, *me.children(recursive=True)]:
@@ -776,7 +798,14 @@ local = BatchedTrainer(task, shards).train(model, clients, train, data, 5)
 diff = max(
     float(np.abs(a.delta[k] - b.delta[k]).max()) for a, b in zip(local, remote) for k in a.delta
 )
-print(json.dumps({"listeners": listeners, "max_diff": diff, "count": len(remote)}))
+local_fold = SliceFolder(BatchedTrainer(task, shards)).fold(model, clients, 5, request)
+fold_diff = max(
+    float(np.abs(local_fold.partial.total[k] - remote_fold.partial.total[k]).max())
+    for k in model
+)
+print(json.dumps({"listeners": listeners, "max_diff": diff, "count": len(remote),
+                  "fold_diff": fold_diff, "folded": remote_fold.partial.count,
+                  "fold_clients": [c.index for c in remote_fold.clients]}))
 """
 
 
@@ -800,6 +829,10 @@ def test_ray_workers_listen_on_loopback_only_and_train_like_local_ones(tmp_path:
     assert not strays, f"Ray listens beyond loopback: {strays}"
     assert report["count"] == len(range(0, 200, 7))
     assert report["max_diff"] < 1e-5
+    # The actors fold their slices where they train: one sum, every client, in order.
+    assert report["folded"] == report["count"]
+    assert report["fold_clients"] == list(range(0, 200, 7))
+    assert report["fold_diff"] < 1e-3  # a sum of 29 weighted deltas, summed in two parts
 
 
 async def test_one_experiment_file_trains_in_simulation_and_on_real_agents(

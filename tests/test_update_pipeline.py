@@ -8,6 +8,7 @@ an agent restart; their payloads must be identical, byte for byte.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from flotilla.compression import CODEC_NAMES, CodecContext, decode_state_with
 from flotilla.core.round_config import RoundConfig
 from flotilla.core.spec import CompressionSection, DataSection, TrainSection
 from flotilla.core.tensors import ModelState, TensorSpec, decode_state, encode_state
-from flotilla.simulation.backend import SimulatedUplink
+from flotilla.simulation.uplink import SimulatedUplink
 from flotilla.tasks import Shard, ShardTraining
 from tests.support.lifetime import bound
 
@@ -58,9 +59,9 @@ def _config(codec: str, error_feedback: bool, momentum: float) -> RoundConfig:
 
 
 def _sim_entropy(seed: int) -> Callable[[], CodecContext]:
-    """The stream a simulated job's uplink draws its codec contexts from."""
-    rng = np.random.default_rng([seed % 2**32, 3])
-    return lambda: CodecContext.seeded(int(rng.integers(2**63)))
+    """The codec contexts a simulated job's uplink gives CLIENT, one per round from 1."""
+    rounds = itertools.count(1)
+    return lambda: SimulatedUplink.context(seed, next(rounds), CLIENT)
 
 
 def _simulated_payloads(config: RoundConfig, deltas: list[ModelState], tmp: Path) -> list[bytes]:
@@ -70,15 +71,15 @@ def _simulated_payloads(config: RoundConfig, deltas: list[ModelState], tmp: Path
     encode = pipeline.encode
     sent: list[bytes] = []
 
-    def spy(client: int, delta: ModelState) -> bytes:
-        payload = encode(client, delta)
+    def spy(client: int, delta: ModelState, context: CodecContext | None = None) -> bytes:
+        payload = encode(client, delta, context)
         sent.append(payload)
         return payload
 
     pipeline.encode = spy  # type: ignore[method-assign]
     out = []
-    for delta in deltas:
-        decoded, size = uplink(CLIENT, delta)
+    for rnd, delta in enumerate(deltas, start=1):
+        decoded, size = uplink(CLIENT, delta, rnd)
         if pipeline.plain:  # the fast path hands the delta on without encoding it
             assert not sent
             payload = encode_state(decoded)

@@ -14,8 +14,8 @@ budget), :class:`StalenessWeighted` (updates trained on an older model) and
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
@@ -125,6 +125,62 @@ class SecurelySummed(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class PartialSum:
+    """Part of a round folded elsewhere (a simulation worker) with the strategy's own
+    per-update rule, ``add``: the running sum, the weight and count it holds, and the
+    per-update tallies the strategy keeps (DP-FedAvg's unclipped count)."""
+
+    total: ModelState
+    weight: float
+    count: int
+    tallies: Mapping[str, float] = field(default_factory=dict)
+
+
+def merge_partials(partials: Sequence[PartialSum]) -> PartialSum:
+    """One partial holding every update of ``partials`` (at least one)."""
+    first, *rest = partials
+    total = {name: np.array(arr, dtype=np.float32) for name, arr in first.total.items()}
+    tallies = dict(first.tallies)
+    for other in rest:
+        for name, acc in total.items():
+            acc += other.total[name]
+        for key, value in other.tallies.items():
+            tallies[key] = tallies.get(key, 0.0) + value
+    return PartialSum(
+        total,
+        sum(p.weight for p in partials),
+        sum(p.count for p in partials),
+        tallies,
+    )
+
+
+@runtime_checkable
+class FoldsPartials(Protocol):
+    """A linear strategy, on the server: a round's aggregator takes a :class:`PartialSum`
+    as if each of its updates had been ``add``-ed to it (equal up to the order of float
+    summation). The partial comes from a copy of the strategy elsewhere
+    (:class:`MakesPartials`), built with the spec's parameters and ``fold_overrides``."""
+
+    def fold_overrides(self) -> dict[str, float]:
+        """Parameters a copy must ``add`` with now, beyond the spec's (what the server
+        learned since: DP-FedAvg's adaptive clip norm)."""
+        ...
+
+    def add_partial(self, partial: PartialSum) -> None:
+        """Fold a partial sum; UpdateRejected (nothing changed) if it is not finite."""
+        ...
+
+
+@runtime_checkable
+class MakesPartials(Protocol):
+    """A linear strategy, where updates are trained: what it ``add``-ed, as one partial."""
+
+    def partial(self) -> PartialSum:
+        """What was added since ``begin``, handed out (the round stays open, empty)."""
+        ...
+
+
 @runtime_checkable
 class Buffering(Protocol):
     """A strategy that finalizes whenever its buffer is full, not at a round's end."""
@@ -208,6 +264,11 @@ class WeightedSum:
         self.count += 1
         self.total_weight += weight
 
+    def merge(self, total: Mapping[str, np.ndarray], weight: float, count: int) -> None:
+        """Add a sum folded elsewhere, of ``count`` updates weighing ``weight``."""
+        self.fold(total, 1.0, weight)
+        self.count += count - 1
+
     def take(self, scale: float) -> ModelState:
         """Hand out ``scale * sum`` (the buffers themselves) and start empty again."""
         if self._acc is None or self.count == 0:
@@ -281,6 +342,29 @@ class StreamingBase:
         self._round.open()
         validate(self._layout, update, weight)
         self._sum.fold(update, weight, weight)
+
+    def partial(self) -> PartialSum:
+        self._round.open()
+        count, weight, tallies = self._sum.count, self._sum.total_weight, self._tallies()
+        return PartialSum(self._sum.take(1.0), weight, count, tallies)
+
+    def add_partial(self, partial: PartialSum) -> None:
+        self._round.open()
+        if partial.count < 1:
+            raise UpdateRejected(f"a partial sum holds at least one update, not {partial.count}")
+        validate(self._layout, partial.total, partial.weight)
+        self._sum.merge(partial.total, partial.weight, partial.count)
+        self._add_tallies(partial.tallies)
+
+    def fold_overrides(self) -> dict[str, float]:
+        return {}
+
+    def _tallies(self) -> dict[str, float]:
+        """Per-update counts a partial carries beside its sum (none here)."""
+        return {}
+
+    def _add_tallies(self, tallies: Mapping[str, float]) -> None:
+        """Take a partial's per-update counts (none here)."""
 
     def _mean(self) -> tuple[ModelState, ModelState]:
         """(global model, weighted mean delta); the round is closed either way."""

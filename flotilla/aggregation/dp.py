@@ -30,6 +30,7 @@ import numpy as np
 from flotilla.aggregation._kernels import apply_step, blocks, check_update, check_weight, scalar
 from flotilla.aggregation._kernels import squared_norm as _sq
 from flotilla.aggregation.base import (
+    PartialSum,
     StreamingBase,
     Traits,
     fraction,
@@ -267,6 +268,22 @@ class DPFedAvg(StreamingBase):
         self._sum.fold(total, 1.0, float(count))
         self._sum.count += count - 1
         self._within += count
+
+    def fold_overrides(self) -> dict[str, float]:
+        """Updates are clipped to the current clip norm (adaptive clipping moves it)."""
+        return {"clip_norm": self.clip_norm}
+
+    def partial(self) -> PartialSum:
+        out = super().partial()
+        self._within = 0
+        return out
+
+    def _tallies(self) -> dict[str, float]:
+        """How many of the partial's updates were not clipped (adaptive clipping's count)."""
+        return {"unclipped": float(self._within)}
+
+    def _add_tallies(self, tallies: Mapping[str, float]) -> None:
+        self._within += int(tallies.get("unclipped", 0))
 
     def finalize(self) -> ModelState:
         current = self._round.open()

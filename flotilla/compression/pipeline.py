@@ -123,16 +123,18 @@ class UpdatePipeline(Generic[K]):
         self.velocity.put(client, out)
         return out
 
-    def encode(self, client: K, delta: ModelState) -> bytes:
+    def encode(self, client: K, delta: ModelState, context: CodecContext | None = None) -> bytes:
         """The upload: plain safetensors for ``none``, else the codec's payload, with the
-        client's residual added first and what the codec dropped kept for next round."""
+        client's residual added first and what the codec dropped kept for next round.
+        The codec draws from ``context`` when given, else from :attr:`entropy`."""
         if self.plain:
             return encode_state(delta)  # what every client can send
         feedback = None
         if self.residuals is not None:
             feedback = ErrorFeedback(str(client))
             feedback.load_state_dict(_matching(self.residuals.get(client), delta, client))
-        payload = encode_state_with(self.codec, delta, self.entropy(), feedback)
+        context = context if context is not None else self.entropy()
+        payload = encode_state_with(self.codec, delta, context, feedback)
         if feedback is not None and self.residuals is not None:
             self.residuals.put(client, feedback.state_dict())
         return payload

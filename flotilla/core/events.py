@@ -82,6 +82,7 @@ def failure_reason(text: str) -> str:
 
 
 _FAILURE_MARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("refused", ("refused",)),
     ("revoked", ("revoked",)),
     ("left", ("left",)),
     ("silent", ("silent",)),

@@ -18,9 +18,12 @@
 """
 
 from flotilla.engine.backend import (
+    Arrival,
     Backend,
     Delivered,
     Failed,
+    Folded,
+    FoldSpec,
     Reported,
     ResultStream,
     RoundResult,
@@ -37,6 +40,7 @@ from flotilla.engine.services import EngineConfig, EngineServices, P2PPeers
 from flotilla.engine.stages import DeviceKeys, StageExchange
 
 __all__ = [
+    "Arrival",
     "Backend",
     "Blobs",
     "Delivered",
@@ -46,6 +50,8 @@ __all__ = [
     "EngineServices",
     "Evaluator",
     "Failed",
+    "FoldSpec",
+    "Folded",
     "JobPlan",
     "JobRunner",
     "Ledger",

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from flotilla.aggregation import PartialSum
 from flotilla.compression import Codec, NoneCodec
 from flotilla.core.allreduce import Contribution
 from flotilla.core.eligibility import EligibilitySection
@@ -22,6 +23,18 @@ class SecureExchange(Protocol):
     async def exchange(self, device_id: str, stage: int, body: bytes) -> bytes:
         """Waits (bounded) until the stage closes; errors of ``flotilla.core.errors``."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class FoldSpec:
+    """A round whose updates a backend may fold where they are trained (a simulation's
+    workers): the job's linear strategy, rebuilt there to ``add`` each update as the
+    server would, and how many updates the round takes (its ``clients_per_round``)."""
+
+    strategy: str
+    #: The strategy's parameters, as JSON (they travel to worker processes).
+    params_json: str
+    want: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +58,8 @@ class TrainTask:
     device_codecs: Mapping[str, Codec] = field(default_factory=dict)
     #: Secure rounds: where the devices' stage messages go instead of uploads.
     secagg: SecureExchange | None = None
+    #: Set when the backend may hand the round's updates over pre-folded (:class:`Folded`).
+    fold: FoldSpec | None = None
 
     def codec_for(self, device_id: str) -> Codec:
         """The codec ``device_id``'s update must arrive in."""
@@ -105,7 +120,40 @@ class Reported:
     reverted: int = 0
 
 
-RoundResult = Delivered | Failed | Reported
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One device's accepted update, without the update: who, its samples and metrics,
+    and when it arrived (the members of a :class:`Folded` result)."""
+
+    device_id: str
+    num_samples: int
+    metrics: Mapping[str, float]
+    #: Seconds from dispatch to this device's arrival.
+    elapsed_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Folded:
+    """Updates folded where they were trained (a task with a :class:`FoldSpec`), handed
+    over when the last of them arrives: their sum and who it holds, in arrival order.
+    The backend hands over only updates the round takes: no more than it still wants,
+    each checked by the strategy's ``add`` (one it refused comes as :class:`Failed`)."""
+
+    round: int
+    partial: PartialSum
+    members: tuple[Arrival, ...]
+
+
+RoundResult = Delivered | Failed | Reported | Folded
+
+
+def senders(result: RoundResult) -> tuple[str, ...]:
+    """The devices a result speaks for."""
+    if isinstance(result, Delivered):
+        return (result.update.device_id,)
+    if isinstance(result, Folded):
+        return tuple(m.device_id for m in result.members)
+    return (result.device_id,)
 
 
 class ResultStream(Protocol):

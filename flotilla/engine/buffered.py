@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from flotilla.aggregation import Buffering, StalenessWeighted
 from flotilla.core.errors import FlotillaError, UpdateRejected
-from flotilla.engine.backend import Delivered, RoundResult
+from flotilla.engine.backend import Delivered, RoundResult, senders
 from flotilla.engine.context import Dispatched, RoundContext
 from flotilla.engine.tally import RoundTally, next_result
 from flotilla.scheduling import Lease
@@ -108,9 +108,7 @@ def _refuse_unread(arrivals: asyncio.Queue[_Arrival]) -> None:
         result = arrival.result
         if isinstance(result, Delivered):
             result.settle("stale: the job ended before this update was aggregated")
-            arrival.lease.free([result.update.device_id])
-        else:
-            arrival.lease.free([result.device_id])
+        arrival.lease.free(list(senders(result)))
 
 
 def _take(
@@ -118,7 +116,7 @@ def _take(
 ) -> None:
     """Free the arrival's device, fold its result and tell the scheduler."""
     result = arrival.result
-    device_id = result.update.device_id if isinstance(result, Delivered) else result.device_id
+    (device_id,) = senders(result)  # buffered rounds are never handed folded updates
     training.pop(device_id, None)
     arrival.lease.free([device_id])
     staleness = ctx.job.rounds_committed - arrival.version

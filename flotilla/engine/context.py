@@ -66,7 +66,10 @@ class RoundContext(Protocol):
         """Up to ``want`` idle devices at once, without waiting (buffered top-ups)."""
         ...
 
-    def task(self, round_no: int, started: float) -> TrainTask: ...
+    def task(self, round_no: int, started: float, foldable: bool = False) -> TrainTask:
+        """Round ``round_no``'s work; ``foldable``: the backend may hand its updates
+        over folded (:class:`~flotilla.engine.backend.Folded`), where the strategy folds."""
+        ...
 
     def dispatch(
         self, grant: Grant, make_task: Callable[[Sequence[str]], TrainTask]

@@ -26,7 +26,15 @@ from flotilla.core.errors import FlotillaError, UpdateRejected
 from flotilla.core.events import failure_reason
 from flotilla.core.records import ParticipationRecord
 from flotilla.core.tensors import ModelState, state_sha256
-from flotilla.engine.backend import Delivered, Failed, Reported, RoundResult, TrainTask
+from flotilla.engine.backend import (
+    Delivered,
+    Failed,
+    Folded,
+    Reported,
+    RoundResult,
+    TrainTask,
+    senders,
+)
 from flotilla.engine.context import RoundContext
 from flotilla.engine.services import P2PPeers
 from flotilla.engine.tally import RoundTally, grant_decisions, next_result
@@ -94,6 +102,9 @@ class Agreement:
                 tally.fail(result.device_id, failure_reason(result.reason))
             elif isinstance(result, Reported):
                 self._take_report(result, tally)
+            elif isinstance(result, Folded):  # never asked for: a server-less round
+                for device_id in senders(result):
+                    tally.fail(device_id, "refused")
             else:
                 await self._take_upload(result)
             del result

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from flotilla.aggregation import Aggregator, PrivacyBudgeted, StalenessWeighted
+from flotilla.aggregation import Aggregator, FoldsPartials, PrivacyBudgeted, StalenessWeighted
 from flotilla.core.errors import BudgetExhausted, FlotillaError, UpdateRejected
 from flotilla.core.events import (
     DeviceFailed,
@@ -39,7 +39,16 @@ from flotilla.core.tensors import (
 )
 from flotilla.core.update import LOSS_METRIC
 from flotilla.core.work import WorkOrder
-from flotilla.engine.backend import Delivered, Failed, Reported, RoundResult, TrainTask
+from flotilla.engine.backend import (
+    Arrival,
+    Delivered,
+    Failed,
+    Folded,
+    FoldSpec,
+    Reported,
+    RoundResult,
+    TrainTask,
+)
 from flotilla.engine.broadcast import Broadcast, Broadcaster
 from flotilla.engine.buffered import BufferedRounds
 from flotilla.engine.context import Dispatched, RoundMode
@@ -258,7 +267,7 @@ class JobRunner:
         for device_id, reason in tally.reasons.items():
             self._events.emit(DeviceFailed(self._job.id, device_id, reason))
 
-    def task(self, round_no: int, started: float) -> TrainTask:
+    def task(self, round_no: int, started: float, foldable: bool = False) -> TrainTask:
         cast = self._broadcast
         order = WorkOrder(
             job_id=self._job.id,
@@ -275,7 +284,15 @@ class JobRunner:
             delta_size=cast.delta_size,
         )
         plan = self._plan
-        return TrainTask(order, layout=self._layout, codec=plan.uplink, policy=plan.policy)
+        fold = None
+        if foldable and isinstance(self.aggregator, FoldsPartials):
+            agg = self._spec.aggregation
+            overrides = self.aggregator.fold_overrides()
+            params = json.dumps({**agg.params, **overrides}, sort_keys=True)
+            fold = FoldSpec(agg.strategy, params, self._spec.job.clients_per_round)
+        return TrainTask(
+            order, layout=self._layout, codec=plan.uplink, policy=plan.policy, fold=fold
+        )
 
     def fold(self, result: RoundResult, tally: RoundTally, staleness: int | None = None) -> bool:
         if isinstance(result, Failed):
@@ -284,6 +301,8 @@ class JobRunner:
         if isinstance(result, Reported):  # reports belong to server-less rounds
             tally.fail(result.device_id, "refused")
             return False
+        if isinstance(result, Folded):
+            return self._fold_partials(result, tally, staleness)
         update = result.update
         if not result.wanted():
             # Its sender gave up waiting; the device may already serve another job.
@@ -311,20 +330,53 @@ class JobRunner:
             tally.stale.append(update.device_id)
         return True
 
+    def _fold_partials(self, result: Folded, tally: RoundTally, staleness: int | None) -> bool:
+        """Take updates folded where they trained, all or none: a backend hands over only
+        what the round takes, so one that overfills it, or a partial the strategy
+        refuses, refuses them all."""
+        aggregator = self.aggregator
+        members = result.members
+        room = self._spec.job.clients_per_round - aggregator.count
+        why = ""
+        if staleness is not None or not isinstance(aggregator, FoldsPartials):
+            why = "this round does not take folded updates"
+        elif len(members) > room:
+            why = f"{len(members)} folded updates for {room} places"
+        elif result.partial.count != len(members):
+            why = f"a partial of {result.partial.count} updates names {len(members)} devices"
+        else:
+            try:
+                aggregator.add_partial(result.partial)
+            except UpdateRejected as exc:
+                why = str(exc)
+        if why:
+            log.warning("job %s: folded updates refused: %s", self._job.id, why)
+            for member in members:
+                tally.fail(member.device_id, "refused")
+            return False
+        now = self.clock()
+        for member in members:
+            self._record(tally, result.round, member, now)
+        return True
+
     def _accept(self, result: Delivered, tally: RoundTally) -> None:
         update = result.update
         result.settle(None)
-        now = self.clock()
-        tally.durations[update.device_id] = result.elapsed_s
+        member = Arrival(update.device_id, update.num_samples, update.metrics, result.elapsed_s)
+        self._record(tally, update.round, member, self.clock())
+
+    def _record(self, tally: RoundTally, round_no: int, member: Arrival, now: float) -> None:
+        """An accepted update, for the round's record and the scheduler."""
+        tally.durations[member.device_id] = member.elapsed_s
         tally.accepted.append(
             ParticipationRecord(
                 job_id=self._job.id,
-                round=update.round,
-                device_id=update.device_id,
-                num_samples=update.num_samples,
-                started_at=now - result.elapsed_s,
+                round=round_no,
+                device_id=member.device_id,
+                num_samples=member.num_samples,
+                started_at=now - member.elapsed_s,
                 finished_at=now,
-                metrics=dict(update.metrics),
+                metrics=dict(member.metrics),
             )
         )
 

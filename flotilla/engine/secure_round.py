@@ -24,7 +24,7 @@ from flotilla.core.events import failure_reason
 from flotilla.core.flat import flat_length, unflatten
 from flotilla.core.records import ParticipationRecord
 from flotilla.core.round_config import SecurePlan
-from flotilla.engine.backend import Delivered, Failed, ResultStream, TrainTask
+from flotilla.engine.backend import Delivered, Failed, ResultStream, TrainTask, senders
 from flotilla.engine.context import RoundContext
 from flotilla.engine.stages import DeviceKeys, StageExchange
 from flotilla.engine.sync_round import commit_or_roll_back
@@ -179,8 +179,9 @@ async def _watch(
             exchange.drop(result.update.device_id)
             tally.fail(result.update.device_id, "refused")
         else:
-            exchange.drop(result.device_id)
-            tally.fail(result.device_id, "refused")
+            for device_id in senders(result):
+                exchange.drop(device_id)
+                tally.fail(device_id, "refused")
 
 
 def _account(

@@ -29,7 +29,7 @@ class SyncRounds:
         global_state = await ctx.global_model()
         grant, rate = await ctx.select()
         started = ctx.clock()
-        lease = ctx.dispatch(grant, lambda _: ctx.task(round_no, started))
+        lease = ctx.dispatch(grant, lambda _: ctx.task(round_no, started, foldable=True))
         if lease is None:  # every granted device went away meanwhile
             ctx.retried(round_no, "no_devices")
             return False

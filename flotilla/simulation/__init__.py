@@ -10,7 +10,7 @@
 """
 
 from flotilla.core.errors import SimulationStalled
-from flotilla.simulation.backend import SimBackend, SimulatedUplink
+from flotilla.simulation.backend import SimBackend
 from flotilla.simulation.clock import VirtualClockLoop, run_simulated
 from flotilla.simulation.experiment import (
     Experiment,
@@ -37,6 +37,7 @@ from flotilla.simulation.training import (
     is_batchable,
     make_trainer,
 )
+from flotilla.simulation.uplink import SimulatedUplink
 
 __all__ = [
     "AvailabilitySection",

@@ -21,19 +21,18 @@ from pathlib import Path
 
 import numpy as np
 
-from flotilla.compression import CodecContext, decode_state_with, encode_state_with, make_codec
 from flotilla.compression.broadcast import decode_model
-from flotilla.compression.pipeline import UpdatePipeline
 from flotilla.core.round_config import RoundConfig
-from flotilla.core.tensors import ModelState, TensorSpec, encode_state
+from flotilla.core.tensors import ModelState
 from flotilla.core.update import COMPUTE_METRIC, Update
-from flotilla.engine.backend import Delivered, Failed, RoundResult, TrainTask
+from flotilla.engine.backend import Arrival, Delivered, Failed, Folded, RoundResult, TrainTask
 from flotilla.engine.ports import Blobs
 from flotilla.scheduling import DeviceEvents
-from flotilla.simulation.client_state import ClientStateStore
 from flotilla.simulation.fleet import Fleet
+from flotilla.simulation.folding import FoldingTrainer, FoldRequest
 from flotilla.simulation.population import PopulationSection, Slowdowns, VirtualDevice
 from flotilla.simulation.training import ClientTrainer
+from flotilla.simulation.uplink import SimulatedUplink
 
 #: Deltas a round's batch of clients may hold at once (the engine folds them before the
 #: next batch trains).
@@ -90,68 +89,12 @@ class _Stream:
                 result.settle("stale: the round closed before this update was aggregated")
 
 
-class SimulatedUplink:
-    """A simulated device's upload: the agent's :class:`UpdatePipeline` (momentum, codec,
-    error feedback), then the server's decode.
-
-    Per-client state (update momentum, error-feedback residuals) is kept per job, in
-    memory-mapped stores under ``state_dir`` so 10,000+ clients fit. The codec's
-    randomness is a stream seeded from ``seed``, so a simulation replays.
-    """
-
-    def __init__(
-        self,
-        config: RoundConfig,
-        layout: tuple[TensorSpec, ...],
-        seed: int,
-        state_dir: Path,
-        clients: int,
-    ) -> None:
-        spec = config.compression
-        momentum = config.train.update_momentum
-        rng = np.random.default_rng([seed % 2**32, 3])
-        self.layout = layout
-        self.pipeline: UpdatePipeline[int] = UpdatePipeline(
-            make_codec(spec.uplink, spec.uplink_params),
-            momentum,
-            residuals=(
-                ClientStateStore(state_dir / "residuals.f32", clients, layout)
-                if spec.error_feedback
-                else None
-            ),
-            velocity=(
-                ClientStateStore(state_dir / "momentum.f32", clients, layout)
-                if momentum > 0
-                else None
-            ),
-            entropy=lambda: CodecContext.seeded(int(rng.integers(2**63))),
-        )
-        zeros = {s.name: np.zeros(s.shape, np.float32) for s in layout}
-        #: An upload's size, known before training: every codec here sends a payload whose
-        #: size depends on the layout only (the plain one sends the delta itself).
-        self.payload_bytes = len(
-            encode_state(zeros)
-            if self.pipeline.plain
-            else encode_state_with(self.pipeline.codec, zeros, CodecContext.seeded(0))
-        )
-        #: No per-client state: an update nobody aggregates need not be computed at all.
-        self.stateless = self.pipeline.residuals is None and self.pipeline.velocity is None
-
-    def __call__(self, client: int, delta: ModelState) -> tuple[ModelState, int]:
-        """The delta as the server decodes it, and the bytes it took on the uplink."""
-        pipeline = self.pipeline
-        delta = pipeline.smooth(client, delta)
-        if pipeline.plain:  # the payload is the delta itself: skip encoding and decoding
-            return delta, self.payload_bytes
-        payload = pipeline.encode(client, delta)
-        decoded = decode_state_with(payload, self.layout, len(payload), codec=pipeline.codec)
-        return decoded, len(payload)
-
-
 @dataclass(slots=True)
 class _JobContext:
     config: RoundConfig
     pipeline: SimulatedUplink
+    #: Seeds the codec's randomness of every upload of the job (``SimulatedUplink``).
+    uplink_seed: int
 
 
 class SimBackend:
@@ -231,12 +174,31 @@ class SimBackend:
         if planned:
             planned.sort(key=lambda p: p.arrival)  # stable: ties keep the selection's order
             model = self._global(task, config)
+            members = self._foldable(task, job, trainer, planned)
+            if members:
+                loop.call_at(
+                    members[0].arrival, self._train_folded, open_round, model, members, now
+                )
+                planned = planned[len(members) :]
             delta_bytes = max(1, sum(s.nbytes for s in task.layout))
             size = max(1, self.deltas_in_flight_bytes // delta_bytes)
             for start in range(0, len(planned), size):
                 batch = planned[start : start + size]
                 loop.call_at(batch[0].arrival, self._train, open_round, model, batch, now)
         return _Stream(self, open_round)
+
+    def _foldable(
+        self, task: TrainTask, job: _JobContext, trainer: ClientTrainer, planned: list[_Planned]
+    ) -> list[_Planned]:
+        """The first arrivals, which the round will take, when they can be folded where
+        they train (``simulation.folding``): as many as it wants, each before its deadline.
+        The later ones train and arrive one by one, as the round may take them in place of
+        an update the strategy refused."""
+        fold = task.fold
+        if fold is None or not job.pipeline.stateless or not isinstance(trainer, FoldingTrainer):
+            return []
+        deadline = task.order.deadline
+        return [p for p in planned[: fold.want] if p.arrival <= deadline]
 
     def _train(
         self, open_round: _Round, model: ModelState, batch: list[_Planned], dispatched: float
@@ -261,7 +223,7 @@ class SimBackend:
             open_round.results.put_nowait(Failed(batch[0].device_id, "training failed"))
             return
         for p, result in zip(batch, results, strict=True):
-            delta, up = job.pipeline(p.device.index, result.delta)
+            delta, up = job.pipeline(p.device.index, result.delta, task.order.round)
             seconds, compute = self._seconds(
                 p.device, result.num_samples, epochs, p.down, up, dispatched, p.jitter
             )
@@ -277,6 +239,65 @@ class SimBackend:
             at = max(dispatched + seconds, loop.time())  # = p.arrival: sizes were known
             loop.call_at(at, self._arrive, open_round, update, seconds)
         del results
+
+    def _train_folded(
+        self, open_round: _Round, model: ModelState, members: list[_Planned], dispatched: float
+    ) -> None:
+        """Train and fold ``members`` where they train; each device is done at its own
+        arrival, and their sum is handed over at the last one's (a refused update comes
+        as a failure at its arrival, and the round may take a later device instead)."""
+        loop = asyncio.get_running_loop()
+        task = open_round.task
+        fold = task.fold
+        job = self._job(task)
+        trainer = self.trainers[task.order.task]
+        assert fold is not None and isinstance(trainer, FoldingTrainer)  # by _foldable
+        request = FoldRequest(
+            task.order.job_id,
+            task.order.round,
+            task.order.config_json,
+            task.layout,
+            job.uplink_seed,
+            fold.strategy,
+            fold.params_json,
+        )
+        indices = [p.device.index for p in members]
+        try:
+            folded = trainer.train_folded(model, indices, task.order.seed, request)
+        except Exception as exc:  # a callback's exception would only be logged: hand it on
+            open_round.error = exc
+            open_round.results.put_nowait(Failed(members[0].device_id, "training failed"))
+            return
+        epochs = job.config.train.local_epochs
+        taken: list[Arrival] = []
+        last = dispatched
+        for p, client in zip(members, folded.clients, strict=True):
+            seconds, compute = self._seconds(
+                p.device, client.num_samples, epochs, p.down, client.bytes_up, dispatched, p.jitter
+            )
+            at = max(dispatched + seconds, loop.time())  # = p.arrival: sizes were known
+            if client.refused:
+                loop.call_at(at, self._refuse, open_round, p.device_id, client.refused)
+                continue
+            metrics = {
+                **client.metrics,
+                "bytes_up": float(client.bytes_up),
+                "bytes_down": float(p.down),
+                COMPUTE_METRIC: compute,
+            }
+            taken.append(Arrival(p.device_id, client.num_samples, metrics, seconds))
+            loop.call_at(at, self.events.freed, p.device_id, task.order.job_id)
+            last = max(last, at)
+        if folded.partial is not None and taken:
+            result = Folded(task.order.round, folded.partial, tuple(taken))
+            loop.call_at(last, self._arrive_folded, open_round, result)
+
+    def _arrive_folded(self, open_round: _Round, result: Folded) -> None:
+        """The last of a folded sum's devices arrived (each was freed at its own arrival)."""
+        for member in result.members:
+            open_round.pending.discard(member.device_id)
+        if not open_round.closed:
+            open_round.results.put_nowait(result)
 
     def _seconds(
         self,
@@ -307,7 +328,7 @@ class SimBackend:
             pipeline = SimulatedUplink(
                 config, task.layout, seed, state_dir, self.population.clients
             )
-            job = _JobContext(config, pipeline)
+            job = _JobContext(config, pipeline, seed)
             self._jobs[task.order.job_id] = job
         return job
 
@@ -342,6 +363,14 @@ class SimBackend:
         """A device whose update would have come too late is done: free it."""
         open_round.pending.discard(device_id)
         self.events.freed(device_id, open_round.task.order.job_id)
+
+    def _refuse(self, open_round: _Round, device_id: str, why: str) -> None:
+        """A folded device whose update its strategy refused arrives: as the server would
+        have refused it."""
+        open_round.pending.discard(device_id)
+        self.events.freed(device_id, open_round.task.order.job_id)
+        if not open_round.closed:
+            open_round.results.put_nowait(Failed(device_id, f"refused: {why}"))
 
     def _fail(self, open_round: _Round, device_id: str, reason: str) -> None:
         open_round.pending.discard(device_id)

@@ -4,7 +4,9 @@ With ``RAY_ADDRESS`` set, the simulator joins that cluster. Otherwise it starts 
 single-node Ray whose every listener is on the loopback interface: Ray binds to the
 machine's own address unless told ``127.0.0.1`` as its node address, and a simulation on
 a laptop has no business opening ports to the network. One actor per ``--devices``
-entry holds the task, its clients' data and a trainer, exactly like a local worker.
+entry holds the task, its clients' data and a trainer, exactly like a local worker, and
+folds its clients where they train the same way (``simulation.folding``): what crosses
+the network per round is the model out and one partial sum back per actor.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from flotilla.core.errors import FlotillaError
 from flotilla.core.spec import DataSection, TrainSection
 from flotilla.core.tensors import ModelState
 from flotilla.core.timeouts import Timeouts
+from flotilla.simulation.folding import FoldedSlice, FoldRequest, SliceFolder, merge_slices
 from flotilla.simulation.training import ClientResult, ShardCache, make_trainer
 from flotilla.simulation.workers import split_evenly
 
@@ -37,6 +40,7 @@ class _TrainerActor:
         sys.path[:0] = [d for d in dirs if d not in sys.path]  # this actor's process only
         task = load_task(task_name)
         self._trainer = make_trainer(task, ShardCache(task, count), device, batched)
+        self._folder = SliceFolder(self._trainer)
 
     def kind(self) -> str:
         return type(self._trainer).__name__
@@ -50,6 +54,11 @@ class _TrainerActor:
         seed: int,
     ) -> list[ClientResult]:
         return self._trainer.train(global_state, clients, train, data, seed)
+
+    def fold(
+        self, global_state: ModelState, clients: list[int], seed: int, request: FoldRequest
+    ) -> FoldedSlice:
+        return self._folder.fold(global_state, clients, seed, request)
 
 
 def start_ray(num_cpus: int | None = None) -> bool:
@@ -135,18 +144,31 @@ class RayTrainer:
         data: DataSection,
         seed: int,
     ) -> list[ClientResult]:
+        done = self._spread("train", global_state, clients, train, data, seed)
+        return [r for results in done for r in results]
+
+    def train_folded(
+        self, global_state: ModelState, clients: Sequence[int], seed: int, request: FoldRequest
+    ) -> FoldedSlice:
+        """Each actor folds its slice (``simulation.folding``); the partials merge here."""
+        return merge_slices(self._spread("fold", global_state, clients, seed, request))
+
+    def _spread(
+        self, method: str, global_state: ModelState, clients: Sequence[int], *extra: Any
+    ) -> list[Any]:
+        """Each actor's ``method(model, slice, *extra)`` for its contiguous slice of
+        ``clients``, in order; the model goes into Ray's object store once."""
         import ray
 
         model = ray.put(global_state)
         calls = [
-            actor.train.remote(model, part, train, data, seed)
+            getattr(actor, method).remote(model, part, *extra)
             for actor, part in zip(
                 self._actors, split_evenly(list(clients), len(self._actors)), strict=True
             )
             if part
         ]
-        done = ray.get(calls, timeout=self._timeouts.worker_round_s)
-        return [r for results in done for r in results]
+        return list(ray.get(calls, timeout=self._timeouts.worker_round_s))
 
     def close(self) -> None:
         import ray

@@ -436,7 +436,10 @@ def _trainers(experiment: Experiment, devices: list[str], backend: str) -> dict[
 def _describe(trainer: ClientTrainer) -> str:
     kind = getattr(trainer, "kind", None)
     name = type(trainer).__name__
-    return f"{name}({', '.join(sorted(kind))})" if kind else name
+    out = f"{name}({', '.join(sorted(kind))})" if kind else name
+    if isinstance(trainer, WorkerPoolTrainer):
+        out += f", {trainer.folded_clients} of {trainer.trained_clients} clients folded"
+    return out
 
 
 def _runner(

@@ -2,8 +2,10 @@
 
 Each worker owns a task, its clients' data and a trainer on its device (``cuda:1``, or
 ``cpu``); a round's clients are cut into contiguous slices, one per worker, and the
-results come back in the clients' order. Messages travel over local pipes between this
-process and workers it started itself, never over a network.
+results come back in the clients' order: each client's delta, or, where the job's
+strategy allows, one partial sum per worker (``simulation.folding``). Messages travel
+over local pipes between this process and workers it started itself, never over a
+network.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from flotilla.core.errors import FlotillaError
 from flotilla.core.spec import DataSection, TrainSection
 from flotilla.core.tensors import ModelState
 from flotilla.core.timeouts import Timeouts
+from flotilla.simulation.folding import FoldedSlice, FoldRequest, SliceFolder, merge_slices
 from flotilla.simulation.training import ClientResult, ShardCache, make_trainer
 
 
@@ -30,14 +33,18 @@ def _serve(conn: Connection, task_name: str, count: int, device: str, batched: b
     torch.set_num_threads(threads)
     task = load_task(task_name)
     trainer = make_trainer(task, ShardCache(task, count), device, batched)
+    folder = SliceFolder(trainer)
     conn.send(("ready", type(trainer).__name__))
     while True:
         request = conn.recv()
         if request is None:
             return
+        kind, args = request
         try:
-            results = trainer.train(*request)
-            conn.send(("ok", results))
+            if kind == "fold":
+                conn.send(("ok", folder.fold(*args)))
+            else:
+                conn.send(("ok", trainer.train(*args)))
         except Exception as exc:  # reported to the parent, which raises it
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -58,6 +65,9 @@ class WorkerPoolTrainer:
         if not devices:
             raise FlotillaError("a worker pool needs at least one device")
         self.shards = shards
+        #: Clients trained so far, and how many of them were folded where they trained.
+        self.trained_clients = 0
+        self.folded_clients = 0
         self._timeouts = timeouts or Timeouts()
         ctx = mp.get_context("spawn")
         cpu_workers = sum(1 for d in devices if not d.startswith("cuda"))
@@ -88,16 +98,35 @@ class WorkerPoolTrainer:
         data: DataSection,
         seed: int,
     ) -> list[ClientResult]:
+        done = self._spread("train", global_state, clients, train, data, seed)
+        return [r for results in done for r in results]
+
+    def train_folded(
+        self,
+        global_state: ModelState,
+        clients: Sequence[int],
+        seed: int,
+        request: FoldRequest,
+    ) -> FoldedSlice:
+        """Train and fold ``clients`` where they train (``simulation.folding``): each
+        worker folds its slice; the slices' sums are merged here."""
+        folded = merge_slices(self._spread("fold", global_state, clients, seed, request))
+        self.folded_clients += len(clients)
+        return folded
+
+    def _spread(
+        self, kind: str, global_state: ModelState, clients: Sequence[int], *extra: Any
+    ) -> list[Any]:
+        """Each worker's answer to ``kind(model, slice, *extra)`` for its contiguous slice
+        of ``clients``, in order."""
+        self.trained_clients += len(clients)
         slices = split_evenly(list(clients), len(self._workers))
         busy = []
         for (_, conn), part in zip(self._workers, slices, strict=True):
             if part:
-                conn.send((global_state, part, train, data, seed))
+                conn.send((kind, (global_state, part, *extra)))
                 busy.append(conn)
-        out: list[ClientResult] = []
-        for conn in busy:
-            out += self._expect(conn, self._timeouts.worker_round_s)[1]
-        return out
+        return [self._expect(conn, self._timeouts.worker_round_s)[1] for conn in busy]
 
     @staticmethod
     def _expect(conn: Connection, timeout_s: float) -> tuple[str, Any]:
