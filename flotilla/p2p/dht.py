@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -107,6 +108,12 @@ class RequestPipe:
     of the process waiting on a dead DHT. A request that cannot be read becomes a
     warning and a no-op here (hivemind would also pause its loop for seconds on an error);
     a closed pipe still ends the worker.
+
+    The pipe's descriptor may be non-blocking, and a large request is written as its
+    length, then its body: read without blocking, a body not there yet fails with EAGAIN
+    after the length was taken, and the stream is out of step for good (seen on a loaded
+    machine). A request is therefore read whole, blocking (hivemind reads only once the
+    pipe polls readable, and the body follows at once).
     """
 
     def __init__(self, conn: Any) -> None:
@@ -114,7 +121,15 @@ class RequestPipe:
         self._warned = False
 
     def recv(self) -> Any:
-        data = self._conn.recv_bytes()  # EOFError here: the pipe itself is closed
+        fd = self._conn.fileno()
+        blocking = os.get_blocking(fd)
+        if not blocking:
+            os.set_blocking(fd, True)
+        try:
+            data = self._conn.recv_bytes()  # EOFError here: the pipe itself is closed
+        finally:
+            if not blocking:
+                os.set_blocking(fd, False)
         try:
             return ForkingPickler.loads(data)
         except Exception as exc:
