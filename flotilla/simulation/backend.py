@@ -29,14 +29,10 @@ from flotilla.engine.backend import Arrival, Delivered, Failed, Folded, RoundRes
 from flotilla.engine.ports import Blobs
 from flotilla.scheduling import DeviceEvents
 from flotilla.simulation.fleet import Fleet
-from flotilla.simulation.folding import FoldingTrainer, FoldRequest
+from flotilla.simulation.folding import DELTAS_IN_FLIGHT_BYTES, FoldingTrainer, FoldRequest
 from flotilla.simulation.population import PopulationSection, Slowdowns, VirtualDevice
 from flotilla.simulation.training import ClientTrainer
 from flotilla.simulation.uplink import SimulatedUplink
-
-#: Deltas a round's batch of clients may hold at once (the engine folds them before the
-#: next batch trains).
-DELTAS_IN_FLIGHT_BYTES = 128 * 1024**2
 
 
 @dataclass(frozen=True, slots=True)

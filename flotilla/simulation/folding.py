@@ -18,7 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from flotilla.aggregation import MakesPartials, PartialSum, make_aggregator, merge_partials
+from flotilla.aggregation import (
+    MakesPartials,
+    PartialSum,
+    make_aggregator,
+    merge_partials,
+    strategy_info,
+)
 from flotilla.core.errors import FlotillaError, UpdateRejected
 from flotilla.core.round_config import RoundConfig
 from flotilla.core.tensors import ModelState, TensorSpec
@@ -74,11 +80,19 @@ class FoldingTrainer(Protocol):
         ...
 
 
+#: Deltas a worker holds at once: a slice trains in chunks this size, each folded before
+#: the next trains (the simulator's own bound on a round's deltas in flight).
+DELTAS_IN_FLIGHT_BYTES = 128 * 1024**2
+
+
 class SliceFolder:
     """Folds slices of rounds with one trainer; each job's upload is made once and kept."""
 
-    def __init__(self, trainer: ClientTrainer) -> None:
+    def __init__(
+        self, trainer: ClientTrainer, deltas_in_flight_bytes: int = DELTAS_IN_FLIGHT_BYTES
+    ) -> None:
         self._trainer = trainer
+        self._chunk_bytes = deltas_in_flight_bytes
         self._uplinks: dict[str, SimulatedUplink] = {}
 
     def fold(
@@ -91,24 +105,30 @@ class SliceFolder:
         """Train ``clients`` from ``global_state`` and fold their uploads (module doc)."""
         config = RoundConfig.from_json(request.config_json)
         uplink = self._uplink(request, config)
+        if strategy_info(request.strategy).traits.needs_all_updates:
+            raise FlotillaError(f"strategy {request.strategy!r} cannot be folded in a worker")
         aggregator = make_aggregator(
             request.strategy, json.loads(request.params_json), request.layout, None
         )
         if not isinstance(aggregator, MakesPartials):
             raise FlotillaError(f"strategy {request.strategy!r} cannot be folded in a worker")
         aggregator.begin(request.round, global_state)
-        results = self._trainer.train(global_state, clients, config.train, config.data, seed)
+        delta_bytes = max(1, sum(s.nbytes for s in request.layout))
+        chunk = max(1, self._chunk_bytes // delta_bytes)
         out = []
-        for client, result in zip(clients, results, strict=True):
-            delta, sent = uplink(client, result.delta, request.round)
-            refused = ""
-            try:
-                aggregator.add(delta, float(result.num_samples))
-            except UpdateRejected as exc:
-                refused = str(exc)
-            metrics = dict(result.metrics)
-            out.append(FoldedClient(client, result.num_samples, metrics, sent, refused))
-        del results
+        for start in range(0, len(clients), chunk):
+            part = clients[start : start + chunk]
+            results = self._trainer.train(global_state, part, config.train, config.data, seed)
+            for client, result in zip(part, results, strict=True):
+                delta, sent = uplink(client, result.delta, request.round)
+                refused = ""
+                try:
+                    aggregator.add(delta, float(result.num_samples))
+                except UpdateRejected as exc:
+                    refused = str(exc)
+                metrics = dict(result.metrics)
+                out.append(FoldedClient(client, result.num_samples, metrics, sent, refused))
+            del results
         folded = any(not c.refused for c in out)
         return FoldedSlice(tuple(out), aggregator.partial() if folded else None)
 
