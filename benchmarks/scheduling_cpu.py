@@ -28,6 +28,7 @@ import sys
 import time
 
 import numpy as np
+from provenance import revision  # benchmarks/ is the script's sys.path[0]
 
 from flotilla.core.device import DeviceProfile
 from flotilla.core.spec import SchedulingSection
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             "ok": worst < FLOOR_MS,
         }
     ]
-    out = {"devices": DEVICES, "jobs": JOBS, "want": WANT, "rounds": rounds}
+    out = {"revision": revision(), "devices": DEVICES, "jobs": JOBS, "want": WANT, "rounds": rounds}
     print(json.dumps({**out, "selectors": results, "floors": floors}, indent=2))
     return 0
 

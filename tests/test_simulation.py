@@ -584,16 +584,21 @@ def test_same_seed_same_metrics_and_another_seed_differs(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(
-    ("strategy", "folds"),
-    [("fedavg", True), ("fedprox", True), ("fedadam", True), ("fedavgm", True),
-     ("trimmed_mean", False)],
+    ("strategy", "compression", "folds"),
+    [("fedavg", "", True), ("fedprox", "", True), ("fedadam", "", True),
+     ("fedavgm", "", True), ("trimmed_mean", "", False),
+     ("fedavg", 'uplink = "topk"\nerror_feedback = true', False)],
 )  # fmt: skip
 def test_two_workers_give_the_same_result_as_one(
-    tmp_path: Path, strategy: str, folds: bool
+    tmp_path: Path, strategy: str, compression: str, folds: bool
 ) -> None:
     """Linear strategies fold each worker's clients where they train and agree with one
-    process to float summation; a robust rule ships every delta as before."""
-    body = f'\n[aggregation]\nstrategy = "{strategy}"\n\n[simulation]\nseed = 4\n'
+    process to float summation; a robust rule, and devices that keep state between rounds
+    (error feedback), ship every delta as before."""
+    body = (
+        f'\n[aggregation]\nstrategy = "{strategy}"\n\n[compression]\n{compression}\n'
+        "\n[simulation]\nseed = 4\n"
+    )
     path = experiment_file(tmp_path, body)
     run_experiment(load_experiment(path), tmp_path / "one", progress=False)
     done = simulate(path, tmp_path / "two", "--devices", "cpu,cpu", "--json", "--no-progress")
